@@ -1,0 +1,117 @@
+"""`Dispatcher`: from a `Problem` to a plan of kernel launches.
+
+`supports(config, problem)` gives the reasons a config is refused (empty: it fits);
+`select(problem, family)` picks one config (first fit in registry order, as CK does, or a
+pluggable heuristic); `plan_*` lists the launches of a call; `explain` prints the
+decision with every candidate and its reasons.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .configs import Family, KernelConfig
+from .problem import Problem
+from .registry import Registry, default_registry
+
+Heuristic = Callable[[Problem, Sequence[KernelConfig]], KernelConfig]
+
+
+class NoKernelError(ValueError):
+    """No config in the registry serves the problem; the message lists every refusal."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    family: Family
+    config: KernelConfig
+    why: str  # why this config was chosen, for explain()
+
+
+@dataclass(frozen=True)
+class Plan:
+    problem: Problem
+    launches: tuple[Launch, ...]
+
+    def config(self, family: Family) -> KernelConfig:
+        return next(launch.config for launch in self.launches if launch.family == family)
+
+    def describe(self) -> str:
+        lines = [f"problem: {self.problem.describe()}"]
+        lines += [f"  {i + 1}. {launch.family.value:<15} {launch.config.name}  ({launch.why})"
+                  for i, launch in enumerate(self.launches)]
+        return "\n".join(lines)
+
+
+class Dispatcher:
+    def __init__(self, registry: Registry | None = None, heuristic: Heuristic | None = None):
+        self.registry = registry if registry is not None else default_registry()
+        self.heuristic = heuristic
+
+    @staticmethod
+    def supports(config: KernelConfig, problem: Problem) -> list[str]:
+        """Reasons `config` cannot serve `problem`; an empty list means it can."""
+        return config.signature.refusals(problem)
+
+    def candidates(self, problem: Problem, family: Family) -> list[KernelConfig]:
+        return [c for c in self.registry if c.family == family and not self.supports(c, problem)]
+
+    def select(self, problem: Problem, family: Family = Family.FWD) -> tuple[KernelConfig, str]:
+        """The config for `family`, and a sentence saying why it was chosen."""
+        fits = self.candidates(problem, family)
+        if not fits:
+            raise NoKernelError(self._refusal_report(problem, family))
+        if self.heuristic is not None:
+            chosen = self.heuristic(problem, fits)
+            if chosen not in fits:
+                raise NoKernelError(f"heuristic chose {getattr(chosen, 'name', chosen)!r}, which "
+                                    f"is not among the fitting configs {[c.name for c in fits]}")
+            return chosen, f"heuristic {getattr(self.heuristic, '__name__', 'custom')}"
+        return fits[0], f"first fit of {len(fits)} in registry {self.registry.name!r}"
+
+    def plan_forward(self, problem: Problem, *, return_dropout_mask: bool = False) -> Plan:
+        families = [Family.FWD] + ([Family.DROPOUT_MASK] if return_dropout_mask else [])
+        return self._plan(problem, families)
+
+    def _plan(self, problem: Problem, families: Sequence[Family]) -> Plan:
+        launches = []
+        for family in families:
+            config, why = self.select(problem, family)
+            launches.append(Launch(family, config, why))
+        return Plan(problem, tuple(launches))
+
+    def explain(self, problem: Problem, family: Family = Family.FWD) -> str:
+        """Every config of `family` with its verdict, and the choice."""
+        lines = [f"problem: {problem.describe()}", f"family: {family.value}"]
+        for config in self.registry:
+            if config.family != family:
+                continue
+            reasons = self.supports(config, problem)
+            verdict = "fits" if not reasons else "refused: " + "; ".join(reasons)
+            lines.append(f"  {config.name}: {verdict}")
+        try:
+            config, why = self.select(problem, family)
+            lines.append(f"selected: {config.name} ({why})")
+        except NoKernelError:
+            lines.append("selected: none (no config fits)")
+        return "\n".join(lines)
+
+    def _refusal_report(self, problem: Problem, family: Family) -> str:
+        lines = [f"no {family.value} kernel in registry {self.registry.name!r} serves "
+                 f"{problem.describe()}"]
+        configs = [c for c in self.registry if c.family == family]
+        if not configs:
+            lines.append(f"  (the registry has no {family.value} configs)")
+        lines += [f"  {c.name}: " + "; ".join(self.supports(c, problem)) for c in configs]
+        return "\n".join(lines)
+
+
+_default: Dispatcher | None = None
+
+
+def default_dispatcher() -> Dispatcher:
+    global _default
+    if _default is None:
+        _default = Dispatcher()
+    return _default

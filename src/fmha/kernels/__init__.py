@@ -1,0 +1,1 @@
+"""Triton kernels, one module per kernel family. Import them through `loader.family_module`."""

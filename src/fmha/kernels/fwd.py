@@ -1,0 +1,235 @@
+"""Forward attention kernel (family `fwd`): dense and varlen, every forward feature.
+
+One kernel, features as `tl.constexpr` flags (a feature that is off costs nothing):
+window/causal masks in both alignments, sink tokens, soft-cap, additive bias, ALiBi,
+sink logits, dropout, GQA, varlen with `seqused_k`. Head dims are padded to a power of
+two inside the kernel (masked loads), never by copying. Any strides; the last dimension
+of q/k is contiguous, v may be column-major (its head-dim stride is a parameter).
+
+Online softmax in the log2 domain (exp2 with log2(e) folded into the scale), fp32
+accumulators, output in the input dtype, LSE in natural log.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import LN2, LOG2E, dropout_keep, key_range, modify_logits, seq_bounds, visible
+
+
+@triton.jit
+def _fwd_inner(
+    acc, m_i, l_i, q,
+    k_base, v_base, bias_base,
+    rows, n_start, n_end,
+    len_q, len_k, diag_offset,
+    stride_kn, stride_vn, stride_vd, stride_biasn,
+    head_dim_qk, head_dim_v,
+    scale, softcap, alibi_slope, window_left, window_right, sink_size,
+    dropout_p, seed, offset, bh,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    offs_dq = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for n0 in range(n_start, n_end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < len_k
+        k = tl.load(
+            k_base + cols[:, None] * stride_kn + offs_dq[None, :],
+            mask=col_ok[:, None] & (offs_dq[None, :] < head_dim_qk), other=0.0,
+        )
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI:
+            s, _ = modify_logits(
+                qk * scale, rows, cols, diag_offset,
+                bias_base + cols[None, :] * stride_biasn,
+                (rows[:, None] < len_q) & col_ok[None, :],
+                alibi_slope, softcap, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
+            )
+            s = s * LOG2E
+        else:
+            s = qk * (scale * LOG2E)
+        vis = visible(rows, cols, len_q, len_k, diag_offset, window_left, window_right,
+                      sink_size, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, offset, bh, rows, cols, dropout_p)
+            p = tl.where(keep, p, 0.0)
+        v = tl.load(
+            v_base + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+            mask=col_ok[:, None] & (offs_dv[None, :] < head_dim_v), other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# Per-call scalars that would otherwise trigger Triton's value specialisation (==1, %16).
+@triton.jit(do_not_specialize=["window_left", "window_right", "sink_size", "seed", "offset"])
+def fwd_kernel(
+    Q, K, V, O, LSE, Bias, Alibi, Sinks,
+    cu_seqlens_q, cu_seqlens_k, seqused_k,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om,
+    stride_lb, stride_lh, stride_lm,
+    stride_biasb, stride_biash, stride_biasm, stride_biasn,
+    stride_alibib, stride_alibih,
+    nheads_q, group_size, seqlen_q, seqlen_k, head_dim_qk, head_dim_v,
+    scale, softcap, window_left, window_right, sink_size,
+    dropout_p, seed, offset,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, ALIGN_BOTTOM_RIGHT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    # 1-d grid (no 65535 limit on batch * heads); the longest row blocks of a masked
+    # problem (the last ones under causal) start first, which balances the tail.
+    num_m = tl.cdiv(seqlen_q, BLOCK_M)
+    pid = tl.program_id(0)
+    bh = pid // num_m
+    pid_m = pid % num_m
+    if HAS_RIGHT:
+        pid_m = num_m - 1 - pid_m
+    b = bh // nheads_q
+    h = bh % nheads_q
+    hk = h // group_size
+    start_q, len_q, start_k, len_k = seq_bounds(
+        b, cu_seqlens_q, cu_seqlens_k, seqused_k, seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_K)
+    m_lo = pid_m * BLOCK_M
+    if m_lo >= len_q:
+        return
+    diag_offset = 0
+    if ALIGN_BOTTOM_RIGHT:
+        diag_offset = len_k - len_q
+
+    rows = m_lo + tl.arange(0, BLOCK_M)
+    row_ok = rows < len_q
+    offs_dq = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    grow = (start_q + rows).to(tl.int64)  # global row in the (possibly packed) tensor
+
+    q = tl.load(
+        Q + b64 * stride_qb + h * stride_qh + grow[:, None] * stride_qm + offs_dq[None, :],
+        mask=row_ok[:, None] & (offs_dq[None, :] < head_dim_qk), other=0.0,
+    )
+    k_base = K + b64 * stride_kb + hk * stride_kh + start_k.to(tl.int64) * stride_kn
+    v_base = V + b64 * stride_vb + hk * stride_vh + start_k.to(tl.int64) * stride_vn
+    # Absent optional tensors arrive as a dummy pointer with zero strides.
+    bias_base = Bias + b64 * stride_biasb + h * stride_biash + rows[:, None] * stride_biasm
+    alibi_slope = 0.0
+    if HAS_ALIBI:
+        alibi_slope = tl.load(Alibi + b * stride_alibib + h * stride_alibih).to(tl.float32)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    m_hi = tl.minimum(m_lo + BLOCK_M, len_q)
+    lo, hi = key_range(m_lo, m_hi, len_k, diag_offset, window_left, window_right,
+                       HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    if HAS_SINK_TOKENS:
+        # Sink tokens left of the window; `lo` is block aligned, so no block repeats.
+        acc, m_i, l_i = _fwd_inner(
+            acc, m_i, l_i, q, k_base, v_base, bias_base, rows, 0, tl.minimum(sink_size, lo),
+            len_q, len_k, diag_offset, stride_kn, stride_vn, stride_vd, stride_biasn,
+            head_dim_qk, head_dim_v, scale, softcap, alibi_slope,
+            window_left, window_right, sink_size, dropout_p, seed, offset, bh,
+            HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
+            HAS_DROPOUT, DOT_PRECISION, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+        )
+    acc, m_i, l_i = _fwd_inner(
+        acc, m_i, l_i, q, k_base, v_base, bias_base, rows, lo, hi,
+        len_q, len_k, diag_offset, stride_kn, stride_vn, stride_vd, stride_biasn,
+        head_dim_qk, head_dim_v, scale, softcap, alibi_slope,
+        window_left, window_right, sink_size, dropout_p, seed, offset, bh,
+        HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
+        HAS_DROPOUT, DOT_PRECISION, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+    )
+
+    if HAS_SINKS:
+        # The sink logit joins the denominator only (SPEC step 5).
+        sink = tl.load(Sinks + h).to(tl.float32) * LOG2E
+        m_fin = tl.maximum(m_i, sink)
+        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+        alpha = tl.math.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
+        acc = acc * alpha[:, None]
+        m_i = m_fin
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        out = out * (1.0 / (1.0 - dropout_p))
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+
+    tl.store(
+        O + b64 * stride_ob + h * stride_oh + grow[:, None] * stride_om + offs_dv[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dv[None, :] < head_dim_v),
+    )
+    tl.store(LSE + b64 * stride_lb + h * stride_lh + grow * stride_lm, lse, mask=row_ok)
+
+
+def launch(
+    q, k, v, o, lse, *,
+    batch: int, max_seqlen_q: int, max_seqlen_k: int,
+    cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
+    bias=None, alibi_slopes=None, sinks=None,
+    scale: float, softcap: float, window: tuple[int, int], sink_size: int,
+    align_bottom_right: bool, dropout_p: float, seed: int, offset: int,
+    block_m: int, block_n: int, num_warps: int, num_stages: int, dot_precision: str,
+) -> None:
+    """Launch the forward kernel.
+
+    Dense: q/k/v/o are bhsd views (B, H, S, D) with any strides, lse (B, Hq, Sq).
+    Varlen: q/k/v/o are packed (total, H, D), lse (Hq, total_q), cu_seqlens int32.
+    bias is already broadcast (by view, zero strides) to 4 dims; alibi_slopes to (B or 1, Hq).
+    """
+    varlen = cu_seqlens_q is not None
+    nheads_q, nheads_k = q.shape[-3 if not varlen else 1], k.shape[-3 if not varlen else 1]
+    head_dim_qk, head_dim_v = q.shape[-1], v.shape[-1]
+
+    def seq_strides(t):  # (batch, head, row) strides; packed tensors have no batch stride
+        return (0, t.stride(1), t.stride(0)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+    lse_strides = (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
+    bias_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
+    alibi_strides = (alibi_slopes.stride(0) if alibi_slopes.shape[0] > 1 else 0,
+                     alibi_slopes.stride(1)) if alibi_slopes is not None else (0, 0)
+    dummy = o
+    left, right = window
+    grid = (triton.cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
+    fwd_kernel[grid](
+        q, k, v, o, lse,
+        bias if bias is not None else dummy,
+        alibi_slopes if alibi_slopes is not None else dummy,
+        sinks if sinks is not None else dummy,
+        cu_seqlens_q if varlen else dummy,
+        cu_seqlens_k if varlen else dummy,
+        seqused_k if seqused_k is not None else dummy,
+        *seq_strides(q), *seq_strides(k), *seq_strides(v), v.stride(-1), *seq_strides(o),
+        *lse_strides, *bias_strides, *alibi_strides,
+        nheads_q, nheads_q // nheads_k, max_seqlen_q, max_seqlen_k, head_dim_qk, head_dim_v,
+        scale, softcap, left, right, sink_size, dropout_p, seed, offset,
+        IS_VARLEN=varlen, HAS_SEQUSED_K=seqused_k is not None,
+        ALIGN_BOTTOM_RIGHT=align_bottom_right,
+        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SINK_TOKENS=sink_size > 0,
+        HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
+        HAS_SINKS=sinks is not None, HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=dot_precision,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_DQK=max(16, triton.next_power_of_2(head_dim_qk)),
+        BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+        num_warps=num_warps, num_stages=num_stages,
+    )

@@ -1,0 +1,136 @@
+"""Compiled and interpreted copies of the kernel families.
+
+CUDA tensors run the kernels compiled. CPU tensors run the very same kernel source
+through Triton's interpreter: `@triton.jit` decides between the two at decoration time,
+so the whole `fmha.kernels` package is imported a second time, under another name, with
+the interpreter switched on. Its relative imports resolve inside the copy, so nested
+`@triton.jit` calls are interpreted too. The user sets no environment variable.
+
+Two small patches to Triton 3.6's interpreter, applied when the copy is first made:
+- it multiplies the raw bit patterns of bf16 operands in `tl.dot`; `_patch_bf16_dot`
+  widens them to fp32 first (exact), which is what the GPU's tensor cores compute;
+- Triton's own library functions (`tl.zeros`, `tl.max`, `tl.philox`, ...) were decorated
+  compiled, and a compiled `JITFunction` refuses to be called from Python;
+  `_patch_jit_calls` runs them interpreted while an interpreted grid is executing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+_PACKAGE_DIR = Path(__file__).parent
+_INTERPRETED_NAME = "_fmha_interpreted_kernels"
+_lock = threading.Lock()
+
+
+def _check_numpy_for_interpreter() -> None:
+    major, minor = (int(x) for x in np.__version__.split(".")[:2])
+    if (major, minor) >= (2, 3):
+        raise RuntimeError(
+            f"CPU tensors run through Triton's interpreter, which fails with numpy "
+            f"{np.__version__}; install numpy<2.3 (pip install 'numpy<2.3') or use CUDA tensors"
+        )
+
+
+def _patch_bf16_dot() -> None:
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "_fmha_patched", False):
+        return
+    original = builder.create_dot
+
+    def widen(handle):
+        if handle.dtype.scalar == tl.bfloat16:  # stored as uint16 bit patterns
+            data = (handle.data.astype(np.uint32) << 16).view(np.float32)
+            return interpreter.TensorHandle(data, tl.float32)
+        return handle
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot._fmha_patched = True
+    builder.create_dot = create_dot
+
+
+_interpreting = threading.local()
+
+
+def _patch_jit_calls() -> None:
+    from triton.runtime import interpreter, jit
+
+    if getattr(jit.JITFunction.__call__, "_fmha_patched", False):
+        return
+    compiled_call = jit.JITFunction.__call__
+    grid_call = interpreter.GridExecutor.__call__
+    interpreted: dict[int, interpreter.InterpretedFunction] = {}
+
+    def jit_call(self, *args, **kwargs):
+        if getattr(_interpreting, "depth", 0) == 0:
+            return compiled_call(self, *args, **kwargs)
+        fn = interpreted.get(id(self))
+        if fn is None:
+            fn = interpreted[id(self)] = interpreter.InterpretedFunction(self.fn)
+        return fn(*args, **kwargs)
+
+    def run_grid(self, *args, **kwargs):
+        _interpreting.depth = getattr(_interpreting, "depth", 0) + 1
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            _interpreting.depth -= 1
+
+    jit_call._fmha_patched = True
+    jit.JITFunction.__call__ = jit_call
+    interpreter.GridExecutor.__call__ = run_grid
+
+
+def _interpreted_package() -> str:
+    """Import the interpreted copy of this package once; return its module name."""
+    if _INTERPRETED_NAME in sys.modules:
+        return _INTERPRETED_NAME
+    _check_numpy_for_interpreter()
+    import triton
+
+    _patch_bf16_dot()
+    _patch_jit_calls()
+    spec = importlib.util.spec_from_file_location(
+        _INTERPRETED_NAME, _PACKAGE_DIR / "__init__.py",
+        submodule_search_locations=[str(_PACKAGE_DIR)],
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[_INTERPRETED_NAME] = package
+    previous = triton.knobs.runtime.interpret
+    triton.knobs.runtime.interpret = True
+    try:
+        spec.loader.exec_module(package)
+    finally:
+        triton.knobs.runtime.interpret = previous
+    return _INTERPRETED_NAME
+
+
+def family_module(name: str, *, interpreted: bool) -> ModuleType:
+    """The kernel module `fmha.kernels.<name>`, compiled or interpreted."""
+    if not interpreted:
+        return importlib.import_module(f"{__package__}.{name}")
+    import triton
+
+    with _lock:
+        package = _interpreted_package()
+        full = f"{package}.{name}"
+        if full in sys.modules:
+            return sys.modules[full]
+        previous = triton.knobs.runtime.interpret
+        triton.knobs.runtime.interpret = True
+        try:
+            return importlib.import_module(full)
+        finally:
+            triton.knobs.runtime.interpret = previous

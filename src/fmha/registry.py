@@ -1,0 +1,117 @@
+"""`Registry`: an ordered set of kernel configs, filterable, exportable to JSON.
+
+Order matters: the rule-based selector takes the first config that fits (CK's first
+fit), so the stock registry lists narrow, fast configs before general ones.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from .configs import CPU, CUDA_ARCHS, Algorithm, ConfigError, Family, KernelConfig, Signature
+from .problem import DType
+
+FORMAT_VERSION = 1
+
+
+class Registry:
+    def __init__(self, configs: Iterable[KernelConfig] = (), name: str = "custom") -> None:
+        self.name = name
+        self._configs: dict[str, KernelConfig] = {}
+        for config in configs:
+            self.register(config)
+
+    def register(self, config: KernelConfig) -> KernelConfig:
+        if config.name in self._configs:
+            raise ConfigError(f"registry {self.name!r} already has a config named {config.name!r}")
+        self._configs[config.name] = config
+        return config
+
+    def __iter__(self) -> Iterator[KernelConfig]:
+        return iter(self._configs.values())
+
+    def __len__(self) -> int:
+        return len(self._configs)
+
+    def __getitem__(self, name: str) -> KernelConfig:
+        try:
+            return self._configs[name]
+        except KeyError:
+            raise KeyError(f"no config named {name!r} in registry {self.name!r}") from None
+
+    def filter(self, *, arch: str | None = None, family: Family | None = None,
+               dtype: DType | None = None) -> Registry:
+        """A new registry with the configs that run on `arch`, of `family`, for `dtype`."""
+        keep = [c for c in self
+                if (arch is None or arch in c.signature.archs)
+                and (family is None or c.family == family)
+                and (dtype is None or dtype in c.signature.dtypes)]
+        return Registry(keep, name=f"{self.name}[filtered]")
+
+    def statistics(self) -> dict[str, dict[str, int]]:
+        return {
+            "by_family": dict(Counter(c.family.value for c in self)),
+            "by_dtype": dict(Counter(d.value for c in self for d in c.signature.dtypes)),
+            "by_pipeline": dict(Counter(c.algorithm.pipeline.value for c in self)),
+        }
+
+    def to_json(self) -> str:
+        data = {"format_version": FORMAT_VERSION, "name": self.name,
+                "statistics": self.statistics(), "configs": [c.to_dict() for c in self]}
+        return json.dumps(data, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Registry:
+        try:
+            data: Any = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"registry JSON is not valid JSON: {e}") from e
+        if not isinstance(data, dict) or not isinstance(data.get("configs"), list):
+            raise ConfigError("registry JSON must be an object with a 'configs' list")
+        if data.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
+            raise ConfigError(f"registry JSON format_version {data['format_version']} is not "
+                              f"supported (this fmha reads {FORMAT_VERSION})")
+        configs = []
+        for i, entry in enumerate(data["configs"]):
+            if not isinstance(entry, dict):
+                raise ConfigError(f"registry JSON configs[{i}] is not an object")
+            configs.append(KernelConfig.from_dict(entry))
+        return cls(configs, name=str(data.get("name", "imported")))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Registry:
+        return cls.from_json(Path(path).read_text())
+
+
+def _fwd(dtypes, archs, head_dim_max, block_m, block_n, warps, stages, head_dim_min=1):
+    return KernelConfig(
+        Signature(Family.FWD, dtypes, archs, head_dim_max, head_dim_min),
+        Algorithm(block_m, block_n, warps, stages),
+    )
+
+
+def default_registry() -> Registry:
+    """The stock configs: CUDA (tuned on an H200) first, then the interpreter's."""
+    half = (DType.FP16, DType.BF16)
+    fp32 = (DType.FP32,)
+    configs = [
+        _fwd(half, CUDA_ARCHS, 64, 128, 64, 4, 3),
+        _fwd(half, CUDA_ARCHS, 128, 128, 64, 8, 3, head_dim_min=65),
+        _fwd(half, CUDA_ARCHS, 256, 128, 32, 8, 2, head_dim_min=129),
+        _fwd(fp32, CUDA_ARCHS, 128, 64, 32, 4, 2),
+        _fwd(fp32, CUDA_ARCHS, 256, 32, 32, 4, 1, head_dim_min=129),
+        # Interpreter: small tiles so that small test problems still cross tile borders.
+        _fwd(half + fp32, (CPU,), 256, 32, 16, 4, 1),
+        KernelConfig(Signature(Family.DROPOUT_MASK, half + fp32, CUDA_ARCHS, 256),
+                     Algorithm(64, 64, 4, 1)),
+        KernelConfig(Signature(Family.DROPOUT_MASK, half + fp32, (CPU,), 256),
+                     Algorithm(32, 32, 4, 1)),
+    ]
+    return Registry(configs, name="default")
