@@ -31,6 +31,7 @@ def set_dispatcher(dispatcher: Dispatcher | None) -> None:
     global _dispatcher
     _dispatcher = dispatcher
     _plan_forward.cache_clear()
+    _plan_backward.cache_clear()
 
 
 def get_dispatcher() -> Dispatcher:
@@ -121,7 +122,7 @@ def _prepare(q, k, v, *, varlen, layout, scale, causal, window, mask_align, sink
     v_column_major = V.check_last_dim_contiguous("v", vv, allow_column_major=True)
     bias4 = V.check_bias(bias, (batch, nhead_q, seqlen_q, seqlen_k), q.dtype, q.device)
     alibi = V.check_alibi(alibi_slopes, batch, nhead_q, q.device)
-    sinks = V.check_sinks(sinks, nhead_q, q.device)
+    sinks = V.check_sinks(sinks, nhead_q, q.device, q.dtype)
     if dropout_p > 0 and seed is None:
         # Drawn on the host from torch's default CPU generator: no GPU synchronisation.
         seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
@@ -135,11 +136,38 @@ def _prepare(q, k, v, *, varlen, layout, scale, causal, window, mask_align, sink
         deterministic=deterministic,
     )
     scale = 1.0 / math.sqrt(qv.shape[-1]) if scale is None else float(scale)
-    return _Prepared(problem, qv, kv, vv, bias4, alibi, sinks, scale, seed or 0)
+    return _Prepared(problem, qv, kv, vv, bias, alibi_slopes, sinks, scale, seed or 0)
 
 
 # ----------------------------------------------------------------------------------------
 # The kernel work as a custom op.
+
+
+def _expand_bias(bias: Tensor | None, shape) -> Tensor | None:
+    """The user's bias as a 4-d zero-stride view (validated earlier)."""
+    if bias is None:
+        return None
+    return bias[(None,) * (4 - bias.dim())].expand(shape)
+
+
+def _kernel_args(problem: Problem, q, k, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                 scale, seed, offset) -> dict:
+    """Keyword arguments shared by the forward and backward launchers."""
+    p = problem
+    shape = (p.batch, p.nhead_q, p.seqlen_q, p.seqlen_k)
+    return dict(
+        batch=p.batch, max_seqlen_q=p.seqlen_q, max_seqlen_k=p.seqlen_k,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+        bias=_expand_bias(bias, shape), alibi_slopes=None if alibi_slopes is None else (
+            alibi_slopes[None] if alibi_slopes.dim() == 1 else alibi_slopes),
+        scale=scale, softcap=p.softcap, window=p.window, sink_size=p.sink_size,
+        align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT, dropout_p=p.dropout_p,
+        seed=seed, offset=offset,
+    )
+
+
+def _algo(config: KernelConfig) -> dict:
+    return dict(_algorithm_args(config), dot_precision=config.algorithm.dot_precision)
 
 
 @torch.library.custom_op("fmha::fwd", mutates_args=())
@@ -147,51 +175,155 @@ def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor,
     bias: Tensor | None, alibi_slopes: Tensor | None, sinks: Tensor | None,
     cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, seqused_k: Tensor | None,
-    max_seqlen_q: int, max_seqlen_k: int, out_bshd: bool,
-    scale: float, window_left: int, window_right: int, bottom_right: bool, sink_size: int,
-    softcap: float, dropout_p: float, seed: int, offset: int, problem_key: str,
+    scale: float, seed: int, offset: int, problem_key: str,
 ) -> tuple[Tensor, Tensor]:
     """q/k/v are kernel views (bhsd or packed); returns (o, lse) with o in the user's layout."""
     problem = _problems[problem_key]
     plan = _plan_forward(problem, False)
-    o, o_view, lse = _alloc_out(q, v, cu_seqlens_q is not None, out_bshd)
+    o, o_view, lse = _alloc_like(q, v.shape[-1], problem)
     if o.numel() or lse.numel():
         kernels = family_module("fwd", interpreted=q.device.type == "cpu")
         with _device_guard(q):
             kernels.launch(
-                q, k, v, o_view, lse,
-                batch=problem.batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-                bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, scale=scale, softcap=softcap,
-                window=(window_left, window_right), sink_size=sink_size,
-                align_bottom_right=bottom_right, dropout_p=dropout_p, seed=seed, offset=offset,
-                dot_precision=plan.config(Family.FWD).algorithm.dot_precision,
-                **_algorithm_args(plan.config(Family.FWD)),
+                q, k, v, o_view, lse, sinks=sinks,
+                **_kernel_args(problem, q, k, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                               seqused_k, scale, seed, offset),
+                **_algo(plan.config(Family.FWD)),
             )
     return o, lse
 
 
-def _alloc_out(q: Tensor, v: Tensor, varlen: bool, out_bshd: bool):
-    """(o in the user's layout, o as a kernel view, lse)."""
-    dv = v.shape[-1]
-    if varlen:
+def _stats_dtype(q: Tensor) -> torch.dtype:
+    """LSE, delta and dQ accumulators: fp32, or fp64 for fp64 inputs (gradcheck)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _alloc_like(q: Tensor, head_dim: int, problem: Problem, dtype=None):
+    """(tensor in the user's layout, its kernel view, lse-shaped fp32) for q-shaped outputs."""
+    dtype = dtype or q.dtype
+    stats = _stats_dtype(q)
+    if problem.varlen:
         total, nhead = q.shape[0], q.shape[1]
-        o = q.new_empty((total, nhead, dv))
-        return o, o, torch.empty((nhead, total), dtype=torch.float32, device=q.device)
+        o = q.new_empty((total, nhead, head_dim), dtype=dtype)
+        return o, o, torch.empty((nhead, total), dtype=stats, device=q.device)
     batch, nhead, seqlen = q.shape[0], q.shape[1], q.shape[2]
-    lse = torch.empty((batch, nhead, seqlen), dtype=torch.float32, device=q.device)
-    if out_bshd:
-        o = q.new_empty((batch, seqlen, nhead, dv))
+    lse = torch.empty((batch, nhead, seqlen), dtype=stats, device=q.device)
+    if problem.layout == "bshd":
+        o = q.new_empty((batch, seqlen, nhead, head_dim), dtype=dtype)
         return o, o.transpose(1, 2), lse
-    o = q.new_empty((batch, nhead, seqlen, dv))
+    o = q.new_empty((batch, nhead, seqlen, head_dim), dtype=dtype)
     return o, o, lse
 
 
 @_fwd_op.register_fake
-def _(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-      max_seqlen_k, out_bshd, *args):
-    o, _, lse = _alloc_out(q, v, cu_seqlens_q is not None, out_bshd)
+def _(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, scale, seed,
+      offset, problem_key):
+    o, _, lse = _alloc_like(q, v.shape[-1], _problems[problem_key])
     return o, lse
+
+
+@torch.library.custom_op("fmha::bwd", mutates_args=())
+def _bwd_op(
+    do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+    bias: Tensor | None, alibi_slopes: Tensor | None, sinks: Tensor | None,
+    cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, seqused_k: Tensor | None,
+    scale: float, seed: int, offset: int, problem_key: str, want_dbias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv as kernel views; dbias in bias' shape or empty; dsinks or empty)."""
+    problem = _problems[problem_key]
+    plan = _plan_backward(problem)
+    interpreted = q.device.type == "cpu"
+    kernels = family_module("bwd", interpreted=interpreted)
+    varlen = problem.varlen
+    o_view = o if (varlen or problem.layout == "bhsd") else o.transpose(1, 2)
+    do_view = do if (varlen or problem.layout == "bhsd") else do.transpose(1, 2)
+    dq, dq_view, delta = _alloc_like(q, q.shape[-1], problem)
+    dk, dk_view, _ = _alloc_like(k, k.shape[-1], problem)
+    dv, dv_view, _ = _alloc_like(v, v.shape[-1], problem)
+    if seqused_k is not None:  # keys past seqused_k belong to no program: their gradient is 0
+        dk.zero_()
+        dv.zero_()
+    dsinks_rows = torch.empty_like(delta) if sinks is not None else None
+    shared = _kernel_args(problem, q, k, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                          scale, seed, offset)
+    dbias_full = None
+    if want_dbias:
+        dbias_full = torch.zeros((problem.batch, problem.nhead_q, problem.seqlen_q, problem.seqlen_k),
+                                 dtype=_stats_dtype(q), device=q.device)
+    with _device_guard(q):
+        kernels.launch_dot_do_o(o_view, do_view, lse, delta, dlse=dlse, sinks=sinks,
+                                dsinks_rows=dsinks_rows, **shared,
+                                **_algo(plan.config(Family.BWD_DOT_DO_O)))
+        if problem.deterministic:
+            kernels.launch_dkdv(q, k, v, do_view, lse, delta, dk_view, dv_view, dbias=dbias_full,
+                                **shared, **_algo(plan.config(Family.BWD_DQ_DK_DV)))
+            kernels.launch_dq(q, k, v, do_view, lse, delta, dq_view, **shared,
+                              **_algo(plan.config(Family.BWD_DQ)))
+        else:
+            dq_acc = torch.zeros(dq.shape, dtype=_stats_dtype(q), device=q.device)
+            dq_acc_view = dq_acc if (varlen or problem.layout == "bhsd") else dq_acc.transpose(1, 2)
+            kernels.launch_dkdv(q, k, v, do_view, lse, delta, dk_view, dv_view, dq_acc=dq_acc_view,
+                                dbias=dbias_full, **shared,
+                                **_algo(plan.config(Family.BWD_DQ_DK_DV)))
+            kernels.launch_convert_dq(dq_acc, dq, scale=scale,
+                                      **_algo(plan.config(Family.BWD_CONVERT_DQ)))
+    dbias = q.new_empty(0)
+    if want_dbias:
+        dbias = _reduce_to(dbias_full, bias).to(bias.dtype)
+    dsinks = q.new_empty(0)
+    if sinks is not None:  # per-row shares (B, Hq, Sq) or (Hq, total_q), summed per head
+        head_axis = 0 if varlen else 1
+        dsinks = dsinks_rows.sum(dim=tuple(i for i in range(dsinks_rows.dim()) if i != head_axis))
+    return dq_view, dk_view, dv_view, dbias, dsinks
+
+
+def _reduce_to(grad: Tensor, like: Tensor) -> Tensor:
+    """Sum a (B, Hq, Sq, Sk) gradient over the dimensions `like` broadcasts."""
+    lead = grad.dim() - like.dim()
+    grad = grad.sum(dim=tuple(range(lead))) if lead else grad
+    dims = tuple(i for i, n in enumerate(like.shape) if n == 1 and grad.shape[i] != 1)
+    return grad.sum(dim=dims, keepdim=True) if dims else grad
+
+
+@_bwd_op.register_fake
+def _(do, dlse, q, k, v, o, lse, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+      scale, seed, offset, problem_key, want_dbias):
+    problem = _problems[problem_key]
+    dq = _alloc_like(q, q.shape[-1], problem)[1]
+    dk = _alloc_like(k, k.shape[-1], problem)[1]
+    dv = _alloc_like(v, v.shape[-1], problem)[1]
+    dbias = torch.empty_like(bias) if want_dbias else q.new_empty(0)
+    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty(0)
+    return dq, dk, dv, dbias, dsinks
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+     scale, seed, offset, problem_key) = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
+                          seqused_k)
+    ctx.scalars = (scale, seed, offset, problem_key)
+
+
+def _backward(ctx, grad_o, grad_lse):
+    q, k, v, o, lse, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k = ctx.saved_tensors
+    scale, seed, offset, problem_key = ctx.scalars
+    want_dbias = bias is not None and ctx.needs_input_grad[3]
+    dlse = None if grad_lse is None else grad_lse.contiguous()
+    dq, dk, dv, dbias, dsinks = _bwd_op(
+        grad_o, dlse, q, k, v, o, lse, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k,
+        scale, seed, offset, problem_key, want_dbias)
+    return (dq, dk, dv, dbias if want_dbias else None, None,
+            dsinks if sinks is not None else None, None, None, None, None, None, None, None)
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_backward(problem: Problem) -> Plan:
+    return get_dispatcher().plan_backward(problem)
 
 
 class _device_guard:
@@ -220,18 +352,12 @@ def _problem_key(problem: Problem) -> str:
 def _run_forward(prep: _Prepared, *, return_lse, return_dropout_mask, offset,
                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None):
     p = prep.problem
-    if any(t is not None and t.requires_grad for t in (prep.q, prep.k, prep.v, prep.bias, prep.sinks)) \
-            and torch.is_grad_enabled():
-        raise NotImplementedError(
-            "fmha: the backward pass is not implemented yet (issue 4); call under "
-            "torch.no_grad() or detach the inputs")
     plan = _plan_forward(p, return_dropout_mask)  # raises NoKernelError with every refusal
+    if any(t is not None and t.requires_grad for t in (prep.q, prep.k, prep.v, prep.bias, prep.sinks)):
+        _plan_backward(p)  # refuse before running anything if no backward kernel fits
     o, lse = _fwd_op(
         prep.q, prep.k, prep.v, prep.bias, prep.alibi, prep.sinks,
-        cu_seqlens_q, cu_seqlens_k, seqused_k, p.seqlen_q, p.seqlen_k,
-        p.layout == "bshd" and not p.varlen, prep.scale, p.window[0], p.window[1],
-        p.mask_align == MaskAlign.BOTTOM_RIGHT, p.sink_size, p.softcap, p.dropout_p,
-        prep.seed, offset, _problem_key(p),
+        cu_seqlens_q, cu_seqlens_k, seqused_k, prep.scale, prep.seed, offset, _problem_key(p),
     )
     results = [o]
     if return_lse:

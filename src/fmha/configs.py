@@ -20,8 +20,9 @@ class Family(str, Enum):
     FWD = "fwd"
     DROPOUT_MASK = "dropout_mask"
     BWD_DOT_DO_O = "bwd_dot_do_o"
-    BWD_DQ_DK_DV = "bwd_dq_dk_dv"
-    BWD_CONVERT_DQ = "bwd_convert_dq"
+    BWD_DQ_DK_DV = "bwd_dq_dk_dv"  # dK/dV, and dQ by atomics into an fp32 buffer
+    BWD_CONVERT_DQ = "bwd_convert_dq"  # that buffer to dQ
+    BWD_DQ = "bwd_dq"  # dQ without atomics (deterministic backward)
 
 
 class Pipeline(str, Enum):

@@ -74,6 +74,14 @@ class Dispatcher:
         families = [Family.FWD] + ([Family.DROPOUT_MASK] if return_dropout_mask else [])
         return self._plan(problem, families)
 
+    def plan_backward(self, problem: Problem) -> Plan:
+        """Three stages; dQ by atomics + convert, or by its own pass when deterministic."""
+        if problem.deterministic:
+            families = [Family.BWD_DOT_DO_O, Family.BWD_DQ_DK_DV, Family.BWD_DQ]
+        else:
+            families = [Family.BWD_DOT_DO_O, Family.BWD_DQ_DK_DV, Family.BWD_CONVERT_DQ]
+        return self._plan(problem, families)
+
     def _plan(self, problem: Problem, families: Sequence[Family]) -> Plan:
         launches = []
         for family in families:

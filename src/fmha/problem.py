@@ -14,6 +14,7 @@ class DType(str, Enum):
     FP16 = "fp16"
     BF16 = "bf16"
     FP32 = "fp32"
+    FP64 = "fp64"  # interpreter only: for torch.autograd.gradcheck
 
 
 class Feature(str, Enum):

@@ -90,28 +90,53 @@ class Registry:
         return cls.from_json(Path(path).read_text())
 
 
-def _fwd(dtypes, archs, head_dim_max, block_m, block_n, warps, stages, head_dim_min=1):
+def _config(family, dtypes, archs, head_dim_max, block_m, block_n, warps, stages, head_dim_min=1):
     return KernelConfig(
-        Signature(Family.FWD, dtypes, archs, head_dim_max, head_dim_min),
+        Signature(family, dtypes, archs, head_dim_max, head_dim_min),
         Algorithm(block_m, block_n, warps, stages),
     )
+
+
+def _family_configs(family, rows):
+    return [_config(family, *row) for row in rows]
 
 
 def default_registry() -> Registry:
     """The stock configs: CUDA (tuned on an H200) first, then the interpreter's."""
     half = (DType.FP16, DType.BF16)
     fp32 = (DType.FP32,)
-    configs = [
-        _fwd(half, CUDA_ARCHS, 64, 128, 64, 4, 3),
-        _fwd(half, CUDA_ARCHS, 128, 128, 64, 8, 3, head_dim_min=65),
-        _fwd(half, CUDA_ARCHS, 256, 128, 32, 8, 2, head_dim_min=129),
-        _fwd(fp32, CUDA_ARCHS, 128, 64, 32, 4, 2),
-        _fwd(fp32, CUDA_ARCHS, 256, 32, 32, 4, 1, head_dim_min=129),
-        # Interpreter: small tiles so that small test problems still cross tile borders.
-        _fwd(half + fp32, (CPU,), 256, 32, 16, 4, 1),
-        KernelConfig(Signature(Family.DROPOUT_MASK, half + fp32, CUDA_ARCHS, 256),
-                     Algorithm(64, 64, 4, 1)),
-        KernelConfig(Signature(Family.DROPOUT_MASK, half + fp32, (CPU,), 256),
-                     Algorithm(32, 32, 4, 1)),
-    ]
+    every = half + fp32
+    cuda, cpu = CUDA_ARCHS, (CPU,)
+    with_fp64 = every + (DType.FP64,)  # fp64 runs in the interpreter only (gradcheck)
+    # Rows: (dtypes, archs, head_dim_max, block_m, block_n, warps, stages[, head_dim_min]).
+    # The interpreter's tiles are small so that small test problems cross tile borders.
+    configs = _family_configs(Family.FWD, [
+        (half, cuda, 64, 128, 64, 4, 3),
+        (half, cuda, 128, 128, 64, 8, 3, 65),
+        (half, cuda, 256, 128, 32, 8, 2, 129),
+        (fp32, cuda, 128, 64, 32, 4, 2),
+        (fp32, cuda, 256, 32, 32, 4, 1, 129),
+        (with_fp64, cpu, 256, 32, 16, 4, 1),
+    ])
+    configs += _family_configs(Family.DROPOUT_MASK, [
+        (every, cuda, 256, 64, 64, 4, 1), (with_fp64, cpu, 256, 32, 32, 4, 1)])
+    configs += _family_configs(Family.BWD_DOT_DO_O, [
+        (every, cuda, 256, 64, 16, 4, 1), (with_fp64, cpu, 256, 32, 16, 4, 1)])
+    # dK/dV: block_n is the program's key tile, block_m the query tile it loops over.
+    configs += _family_configs(Family.BWD_DQ_DK_DV, [
+        (half, cuda, 128, 64, 128, 8, 2),
+        (half, cuda, 256, 32, 64, 8, 1, 129),
+        (fp32, cuda, 128, 32, 64, 4, 1),
+        (fp32, cuda, 256, 16, 32, 4, 1, 129),
+        (with_fp64, cpu, 256, 16, 32, 4, 1),
+    ])
+    configs += _family_configs(Family.BWD_DQ, [
+        (half, cuda, 128, 128, 64, 8, 2),
+        (half, cuda, 256, 64, 32, 8, 1, 129),
+        (fp32, cuda, 128, 64, 32, 4, 1),
+        (fp32, cuda, 256, 32, 16, 4, 1, 129),
+        (with_fp64, cpu, 256, 32, 16, 4, 1),
+    ])
+    configs += _family_configs(Family.BWD_CONVERT_DQ, [
+        (every, cuda, 256, 64, 16, 4, 1), (with_fp64, cpu, 256, 32, 16, 4, 1)])
     return Registry(configs, name="default")

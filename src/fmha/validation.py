@@ -16,7 +16,8 @@ import torch
 
 from .problem import DType, MaskAlign
 
-TORCH_DTYPES = {torch.float16: DType.FP16, torch.bfloat16: DType.BF16, torch.float32: DType.FP32}
+TORCH_DTYPES = {torch.float16: DType.FP16, torch.bfloat16: DType.BF16, torch.float32: DType.FP32,
+                torch.float64: DType.FP64}
 LAYOUTS = ("bhsd", "bshd")
 
 _debug = os.environ.get("FMHA_DEBUG", "0") not in ("", "0", "false", "False")
@@ -146,13 +147,14 @@ def check_alibi(alibi_slopes, batch: int, nhead_q: int, device) -> torch.Tensor 
     return alibi_slopes[None] if alibi_slopes.dim() == 1 else alibi_slopes
 
 
-def check_sinks(sinks, nhead_q: int, device) -> torch.Tensor | None:
+def check_sinks(sinks, nhead_q: int, device, dtype: torch.dtype) -> torch.Tensor | None:
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
-    if sinks.dtype != torch.float32:
-        raise TypeError(f"sinks.dtype={sinks.dtype} must be torch.float32")
+    if sinks.dtype != torch.float32 and not (sinks.dtype == dtype == torch.float64):
+        raise TypeError(f"sinks.dtype={sinks.dtype} must be torch.float32 (or float64 with "
+                        f"float64 inputs)")
     if sinks.device != device:
         raise ValueError(f"sinks is on {sinks.device} but q is on {device}")
     if tuple(sinks.shape) != (nhead_q,):

@@ -11,8 +11,8 @@ interpreted, for CPU tensors (see `fmha.kernels.loader`).
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -130,7 +130,7 @@ def modify_logits(
         t = tanh(s / softcap)
         s = softcap * t
     if HAS_BIAS:
-        s += tl.load(bias_ptrs, mask=bias_mask, other=0.0).to(tl.float32)
+        s += tl.load(bias_ptrs, mask=bias_mask, other=0.0)
     if HAS_ALIBI:
         dist = tl.abs(rows[:, None] + diag_offset - cols[None, :]).to(tl.float32)
         s -= alibi_slope * dist

@@ -160,7 +160,7 @@ def fwd_kernel(
 
     if HAS_SINKS:
         # The sink logit joins the denominator only (SPEC step 5).
-        sink = tl.load(Sinks + h).to(tl.float32) * LOG2E
+        sink = tl.load(Sinks + h) * LOG2E
         m_fin = tl.maximum(m_i, sink)
         m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
         alpha = tl.math.exp2(m_i - m_fin)

@@ -1,0 +1,617 @@
+"""The `fmha` command line: run, info, kernels (list/explain/export/import), bench.
+
+    fmha run -b 2 --nhead-q 8 --seqlen-q 1024 --hdim-q 128 --dtype bf16 --causal
+    fmha run --demo
+    fmha info
+    fmha kernels list --arch sm90
+    fmha kernels explain --seqlen-q 4096 --hdim-q 128 --dtype bf16 --arch sm90
+    fmha kernels export registry.json ; fmha kernels import registry.json
+    fmha bench --suite quick --json bench.json
+
+Exit codes: 0 success; 1 a validation failed (`run`) or no kernel fits (`kernels explain`);
+2 bad arguments, an error from fmha ("error: ..." on stderr, no traceback), a refused
+registry file, or `bench` without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import bench, numerics, reference
+from .api import attention, get_dispatcher, problem_of
+from .configs import CPU, CUDA_ARCHS, ConfigError, Family, KernelConfig
+from .dispatcher import Dispatcher, NoKernelError
+from .problem import DType, MaskAlign, Problem
+from .registry import Registry
+
+# Sizes `fmha run` / `fmha kernels explain` use for flags not given: small for the CPU
+# interpreter, realistic on a GPU.
+SIZE_DEFAULTS: dict[str, dict[str, int]] = {
+    "cpu": {"batch": 1, "nhead_q": 2, "seqlen_q": 64, "hdim_q": 64},
+    "cuda": {"batch": 2, "nhead_q": 8, "seqlen_q": 2048, "hdim_q": 128},
+}
+# Validation of a large problem runs on a subset of it (batch 0, then one KV-head group)
+# so that the float64 truth of (B, Hq, Sq, Sk) scores stays under this many elements.
+VALIDATION_MAX_SCORES = 2**28
+
+
+# ----------------------------------------------------------------------------------------
+# Problems from flags.
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One problem for `fmha run` (q (B, Hq, Sq, Dq), k (B, Hk, Sk, Dq), v (B, Hk, Sk, Dv))."""
+
+    title: str
+    batch: int
+    nhead_q: int
+    nhead_k: int
+    seqlen_q: int
+    seqlen_k: int
+    hdim_q: int
+    hdim_v: int
+    dtype: str = "fp16"
+    layout: str = "bhsd"
+    causal: bool = False
+    mask_align: str = "bottom_right"
+    window: tuple[int, int] = (-1, -1)
+    sink_size: int = 0
+    softcap: float = 0.0
+    bias: str = "none"  # "none", "elementwise" or "alibi"
+    sinks: bool = False
+    dropout: float = 0.0
+    seed: int = 0
+
+    def check(self) -> None:
+        """ValueError for combinations the flags alone cannot refuse."""
+        if self.nhead_q % self.nhead_k:
+            raise ValueError(f"--nhead-q {self.nhead_q} is not a multiple of --nhead-k {self.nhead_k}")
+
+    def problem(self, arch: str) -> Problem:
+        """The Problem the API would build for these inputs on `arch` (dense, row-major v)."""
+        self.check()
+        window = (self.window[0], 0) if self.causal else tuple(self.window)
+        return Problem(
+            batch=self.batch, nhead_q=self.nhead_q, nhead_k=self.nhead_k, seqlen_q=self.seqlen_q,
+            seqlen_k=self.seqlen_k, head_dim_qk=self.hdim_q, head_dim_v=self.hdim_v,
+            dtype=DType(self.dtype), layout=self.layout, arch=arch, causal=self.causal, window=window,
+            mask_align=MaskAlign(self.mask_align), sink_size=self.sink_size,
+            bias=self.bias == "elementwise", alibi=self.bias == "alibi", softcap=float(self.softcap),
+            sinks=self.sinks, dropout_p=float(self.dropout),
+        )
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {lo}")
+        return value
+
+    parse.__name__ = f"int>={lo}"
+    return parse
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number >= 0")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = _nonneg_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1)")
+    return value
+
+
+def _add_problem_flags(p: argparse.ArgumentParser) -> None:
+    cpu, cuda = SIZE_DEFAULTS["cpu"], SIZE_DEFAULTS["cuda"]
+
+    def sized(key: str) -> str:
+        return f"(default {cuda[key]} on CUDA, {cpu[key]} on the CPU)"
+
+    g = p.add_argument_group("problem")
+    g.add_argument("-b", "--batch", type=_int_at_least(1), default=None, help=f"batch {sized('batch')}")
+    g.add_argument("--nhead-q", type=_int_at_least(1), default=None, help=f"query heads {sized('nhead_q')}")
+    g.add_argument("--nhead-k", type=_int_at_least(1), default=None, help="key/value heads (default nhead-q)")
+    g.add_argument("--seqlen-q", type=_int_at_least(0), default=None,
+                   help=f"query length {sized('seqlen_q')}")
+    g.add_argument("--seqlen-k", type=_int_at_least(0), default=None, help="key length (default seqlen-q)")
+    g.add_argument("--hdim-q", type=_int_at_least(1), default=None, help=f"q/k head dim {sized('hdim_q')}")
+    g.add_argument("--hdim-v", type=_int_at_least(1), default=None, help="v head dim (default hdim-q)")
+    g.add_argument("--dtype", choices=list(bench.DTYPES), default="fp16")
+    g.add_argument("--layout", choices=["bhsd", "bshd"], default="bhsd")
+    g.add_argument("--causal", action="store_true", help="causal mask (window (left, 0))")
+    g.add_argument("--mask-align", choices=[m.value for m in MaskAlign], default="bottom_right",
+                   help="diagonal of causal/window masks (top_left is SDPA's is_causal)")
+    g.add_argument("--window", nargs=2, type=_int_at_least(-1), metavar=("LEFT", "RIGHT"), default=(-1, -1),
+                   help="sliding window, -1 unbounded")
+    g.add_argument("--sink-size", type=_int_at_least(0), default=0, help="first keys always visible")
+    g.add_argument("--softcap", type=_nonneg_float, default=0.0, help="soft-cap of the logits (0: off)")
+    g.add_argument("--bias", choices=["none", "elementwise", "alibi"], default="none",
+                   help="elementwise: random fp32 (1, Hq, Sq, Sk); alibi: slopes 2^(-8(h+1)/Hq)")
+    g.add_argument("--sinks", action="store_true", help="random fp32 per-head sink logits")
+    g.add_argument("--dropout", type=_probability, default=0.0, metavar="P", help="dropout probability")
+    g.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of the inputs and of dropout")
+
+
+def _spec_from_args(args: argparse.Namespace, on_cpu: bool, title: str = "fmha run") -> RunSpec:
+    d = SIZE_DEFAULTS["cpu" if on_cpu else "cuda"]
+    batch = args.batch if args.batch is not None else d["batch"]
+    nhead_q = args.nhead_q if args.nhead_q is not None else d["nhead_q"]
+    seqlen_q = args.seqlen_q if args.seqlen_q is not None else d["seqlen_q"]
+    hdim_q = args.hdim_q if args.hdim_q is not None else d["hdim_q"]
+    return RunSpec(
+        title=title, batch=batch, nhead_q=nhead_q,
+        nhead_k=args.nhead_k if args.nhead_k is not None else nhead_q,
+        seqlen_q=seqlen_q, seqlen_k=args.seqlen_k if args.seqlen_k is not None else seqlen_q,
+        hdim_q=hdim_q, hdim_v=args.hdim_v if args.hdim_v is not None else hdim_q,
+        dtype=args.dtype, layout=args.layout, causal=args.causal, mask_align=args.mask_align,
+        window=tuple(args.window), sink_size=args.sink_size, softcap=args.softcap, bias=args.bias,
+        sinks=args.sinks, dropout=args.dropout, seed=args.seed,
+    )
+
+
+def demo_specs(on_cpu: bool, seed: int = 0) -> list[RunSpec]:
+    """`fmha run --demo`: plain; causal GQA in bshd; window + soft-cap + sinks + sink tokens.
+
+    Small on the CPU (the interpreter), realistic on a GPU.
+    """
+    if on_cpu:
+        return [
+            RunSpec("plain", 1, 2, 2, 64, 64, 64, 64, "fp16", seed=seed),
+            RunSpec("causal GQA, bshd", 1, 4, 2, 48, 64, 32, 32, "fp16", layout="bshd", causal=True,
+                    seed=seed),
+            RunSpec("window + softcap + sinks", 1, 2, 2, 64, 64, 64, 64, "fp16", window=(16, 4), sink_size=4,
+                    softcap=20.0, sinks=True, seed=seed),
+        ]
+    return [
+        RunSpec("plain", 4, 16, 16, 4096, 4096, 128, 128, "bf16", seed=seed),
+        RunSpec("causal GQA, bshd", 4, 32, 8, 4096, 4096, 128, 128, "bf16", layout="bshd", causal=True,
+                seed=seed),
+        RunSpec("window + softcap + sinks", 2, 16, 16, 4096, 4096, 128, 128, "bf16", window=(1024, 0),
+                sink_size=4, softcap=30.0, sinks=True, seed=seed),
+    ]
+
+
+# ----------------------------------------------------------------------------------------
+# `fmha run`.
+
+
+def _inputs(spec: RunSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """Random normal q, k, v in the spec's layout and the keyword arguments of the call."""
+    gen = torch.Generator(device=device).manual_seed(spec.seed)
+    dtype = bench.DTYPES[spec.dtype]
+
+    def randn(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dt)
+
+    def shaped(h: int, s: int, d: int) -> tuple[int, ...]:
+        return (spec.batch, h, s, d) if spec.layout == "bhsd" else (spec.batch, s, h, d)
+
+    q = randn(*shaped(spec.nhead_q, spec.seqlen_q, spec.hdim_q))
+    k = randn(*shaped(spec.nhead_k, spec.seqlen_k, spec.hdim_q))
+    v = randn(*shaped(spec.nhead_k, spec.seqlen_k, spec.hdim_v))
+    kwargs: dict[str, Any] = dict(
+        layout=spec.layout, causal=spec.causal, window=tuple(spec.window), mask_align=spec.mask_align,
+        sink_size=spec.sink_size, softcap=spec.softcap, dropout_p=spec.dropout, seed=spec.seed,
+    )
+    if spec.bias == "elementwise":
+        kwargs["bias"] = randn(1, spec.nhead_q, spec.seqlen_q, spec.seqlen_k, dt=torch.float32)
+    elif spec.bias == "alibi":
+        kwargs["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (h + 1) / spec.nhead_q)
+                                               for h in range(spec.nhead_q)], device=device)
+    if spec.sinks:
+        kwargs["sinks"] = randn(spec.nhead_q, dt=torch.float32)
+    return q, k, v, kwargs
+
+
+def _to_np(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.detach().double().cpu().numpy()
+
+
+def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> dict[str, Any]:
+    """Check `fmha.attention(q, k, v, **kwargs)` against a float64 truth (2x rule).
+
+    Truth: `fmha.reference` (numpy) on the CPU, `numerics.torch_attention` in float64 on a
+    GPU; baseline: `numerics.torch_attention` in the inputs' dtype. Large problems are
+    checked on batch 0 (and one KV-head group) only; "scope" says which part.
+    Returns {"truth", "baseline", "scope", "comparisons": [Comparison], "ok"}.
+    """
+    want_mask = kwargs.get("dropout_p", 0) > 0
+    o, lse, *rest = attention(q, k, v, return_lse=True, return_dropout_mask=want_mask, **kwargs)
+    mask = rest[0] if want_mask else None
+    bhsd = kwargs["layout"] == "bhsd"
+    qb, kb, vb, ob = (t if bhsd else t.transpose(1, 2) for t in (q, k, v, o))
+    bias, alibi, sinks = kwargs.get("bias"), kwargs.get("alibi_slopes"), kwargs.get("sinks")
+    batch, nhead_q, seqlen_q, _ = qb.shape
+    nhead_k, seqlen_k = kb.shape[1], kb.shape[2]
+    scope = "all"
+    if batch > 1 and batch * nhead_q * seqlen_q * seqlen_k > VALIDATION_MAX_SCORES:
+        qb, kb, vb, ob, lse = qb[:1], kb[:1], vb[:1], ob[:1], lse[:1]
+        bias = bias[:1] if bias is not None else None
+        alibi = alibi[:1] if alibi is not None and alibi.dim() == 2 else alibi
+        mask = mask[:1] if mask is not None else None
+        batch, scope = 1, "batch 0"
+    if nhead_k > 1 and nhead_q * seqlen_q * seqlen_k > VALIDATION_MAX_SCORES:
+        g = nhead_q // nhead_k
+        qb, kb, vb, ob, lse = qb[:, :g], kb[:, :1], vb[:, :1], ob[:, :g], lse[:, :g]
+        bias = bias[:, :g] if bias is not None and bias.shape[1] > 1 else bias
+        alibi = alibi[..., :g] if alibi is not None else None
+        sinks = sinks[:g] if sinks is not None else None
+        mask = mask[:, :g] if mask is not None else None
+        nhead_q, scope = g, f"batch 0, query heads 0..{g - 1} (KV head 0)"
+    if batch * nhead_q * seqlen_q * seqlen_k > VALIDATION_MAX_SCORES:
+        return {"truth": None, "baseline": None, "scope": "skipped (problem too large to validate)",
+                "comparisons": [], "ok": True}
+    extra = {key: kwargs[key]
+             for key in ("causal", "window", "mask_align", "sink_size", "softcap", "dropout_p")}
+    tensors = {"bias": bias, "alibi_slopes": alibi, "sinks": sinks}
+    if q.device.type == "cpu":
+        truth = "fmha.reference (numpy float64)"
+        ref_o, ref_lse = reference.attention_fwd(
+            _to_np(qb), _to_np(kb), _to_np(vb), dropout_mask=None if mask is None else mask.cpu().numpy(),
+            **extra, **{key: _to_np(t) for key, t in tensors.items() if t is not None})
+        ref_o, ref_lse = torch.from_numpy(np.asarray(ref_o)), torch.from_numpy(np.asarray(ref_lse))
+    else:
+        truth = "numerics.torch_attention (float64, on the GPU)"
+        ref_o, ref_lse = numerics.torch_attention(qb, kb, vb, compute_dtype=torch.float64,
+                                                  dropout_mask=mask, **extra, **tensors)
+    base_o, base_lse = numerics.torch_attention(qb, kb, vb, dropout_mask=mask, **extra, **tensors)
+    comparisons = [numerics.compare("o", ob, ref_o, base_o, q.dtype),
+                   numerics.compare("lse", lse, ref_lse, base_lse, torch.float32)]
+    return {"truth": truth, "baseline": f"numerics.torch_attention ({str(q.dtype).removeprefix('torch.')})",
+            "scope": scope, "comparisons": comparisons, "ok": all(c.ok for c in comparisons)}
+
+
+def run_one(spec: RunSpec, device: torch.device, *, warmup: int, repeat: int, check: bool) -> dict[str, Any]:
+    """Run, time and (if `check`) validate one problem; a JSON-ready report."""
+    spec.check()
+    q, k, v, kwargs = _inputs(spec, device)
+    problem = problem_of(q, k, v, **kwargs)
+    plan = get_dispatcher().plan_forward(problem)
+    with torch.no_grad():
+        elapsed = bench.time_ms(lambda: attention(q, k, v, **kwargs), device=device, warmup=warmup,
+                                repeat=repeat)
+        result = validate(q, k, v, kwargs) if check else None
+    report: dict[str, Any] = {
+        "title": spec.title, "device": str(device), "problem": problem.describe(),
+        "problem_fields": asdict(problem), "flops": problem.flops_fwd(),
+        "plan": [{"family": launch.family.value, "config": launch.config.name, "why": launch.why}
+                 for launch in plan.launches],
+        "kernel": plan.config(Family.FWD).name, "time_ms": elapsed,
+        "tflops": problem.flops_fwd() / (elapsed * 1e-3) / 1e12 if elapsed > 0 else None,
+        "warmup": warmup, "repeat": repeat, "validation": None, "ok": True,
+    }
+    if result is not None:
+        report["validation"] = {
+            **{key: result[key] for key in ("truth", "baseline", "scope", "ok")},
+            "comparisons": [{"name": c.name, "error": c.error, "baseline_error": c.baseline_error,
+                             "bound": c.bound, "ok": c.ok, "text": str(c)} for c in result["comparisons"]],
+        }
+        report["ok"] = result["ok"]
+    return report
+
+
+def _render_report(report: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=report["title"], show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value", overflow="fold")
+    table.add_row("problem", report["problem"])
+    table.add_row("device", report["device"])
+    table.add_row("plan", "\n".join(f"{i + 1}. {p['family']}: {p['config']} ({p['why']})"
+                                    for i, p in enumerate(report["plan"])))
+    table.add_row("time", f"{report['time_ms']:.3f} ms (median of {report['repeat']}, "
+                          f"{report['warmup']} warmup)")
+    tflops = report["tflops"]
+    table.add_row("TFLOP/s", "-" if tflops is None else f"{tflops:.4g}  ({report['flops']:.4g} FLOP)")
+    val = report["validation"]
+    if val is None:
+        table.add_row("validation", "skipped (--no-validate)")
+    else:
+        table.add_row("truth", f"{val['truth']}; scope: {val['scope']}")
+        table.add_row("baseline", f"{val['baseline']}; bound = 2 x baseline error + slack")
+        for c in val["comparisons"]:
+            table.add_row(f"check {c['name']}", c["text"], style=None if c["ok"] else "red")
+        table.add_row("verdict", "ok" if val["ok"] else "FAILED", style="green" if val["ok"] else "red")
+    return table
+
+
+def _device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but CUDA is not available (torch.cuda.is_available() "
+                         "is False); use --device cpu or auto")
+    return torch.device(choice)
+
+
+def _cmd_run(args: argparse.Namespace, console: Any) -> int:
+    device = _device(args.device)
+    on_cpu = device.type == "cpu"
+    specs = demo_specs(on_cpu, args.seed) if args.demo else [_spec_from_args(args, on_cpu)]
+    warmup = args.warmup if args.warmup is not None else (1 if on_cpu else 3)
+    repeat = args.repeat if args.repeat is not None else (2 if on_cpu else 20)
+    reports = []
+    for spec in specs:
+        reports.append(run_one(spec, device, warmup=warmup, repeat=repeat, check=not args.no_validate))
+        if not args.json:
+            console.print(_render_report(reports[-1]))
+    ok = all(r["ok"] for r in reports)
+    if args.json:
+        print(json.dumps({"ok": ok, "device": str(device), "results": reports}, indent=2, default=str))
+    elif not ok:
+        console.print("validation FAILED", style="red")
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------------------
+# `fmha info`.
+
+
+def current_arch() -> str:
+    """"sm90" etc. for the current CUDA device, "cpu" without CUDA."""
+    if not torch.cuda.is_available():
+        return CPU
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm{major}{minor}"
+
+
+def _triton_cache_dir() -> str:
+    try:
+        import triton
+
+        directory = triton.knobs.cache.dir
+        if directory:
+            return str(directory)
+    except Exception:  # older or newer Triton without knobs.cache.dir
+        pass
+    return os.path.join(os.path.expanduser("~"), ".triton", "cache")
+
+
+def info() -> dict[str, Any]:
+    """Device, arch and versions, as `fmha info` prints them."""
+    import ml_dtypes
+    import triton
+
+    from . import __version__
+
+    data: dict[str, Any] = {}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        data["device"] = torch.cuda.get_device_name()
+        data["arch"] = current_arch()
+        data["memory"] = f"{props.total_memory / 2**30:.1f} GiB, {props.multi_processor_count} SMs"
+    else:
+        data["device"] = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+        data["arch"] = "cpu (Triton interpreter)"
+    numpy_ok = tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 3)
+    data.update({
+        "python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+        "numpy": np.__version__ + ("" if numpy_ok else " (the CPU interpreter needs numpy < 2.3)"),
+        "ml_dtypes": ml_dtypes.__version__, "fmha": __version__,
+        "CUDA": torch.version.cuda or "none (CPU build of torch)",
+        "cuDNN": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "none",
+        "triton cache": _triton_cache_dir(),
+        "FMHA_DEBUG": os.environ.get("FMHA_DEBUG", "0"),
+    })
+    return data
+
+
+def _cmd_info(args: argparse.Namespace, console: Any) -> int:
+    data = info()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    from rich.table import Table
+
+    table = Table(title="fmha info", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value", overflow="fold")
+    for key, value in data.items():
+        table.add_row(key, str(value))
+    console.print(table)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------
+# `fmha kernels ...`.
+
+
+def _registry(args: argparse.Namespace) -> Registry:
+    path = getattr(args, "registry", None)
+    return get_dispatcher().registry if path is None else _load_registry(path)
+
+
+def _load_registry(path: str) -> Registry:
+    """Registry.load, with every way a file can be bad turned into a ConfigError."""
+    try:
+        return Registry.load(path)
+    except ConfigError as e:
+        raise ConfigError(f"registry file {path} is refused: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read registry file {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ConfigError(f"registry file {path} is refused: malformed ({type(e).__name__}: {e})") from None
+
+
+def _archs_text(archs: Sequence[str]) -> str:
+    return "cuda (all)" if tuple(archs) == CUDA_ARCHS else ",".join(archs)
+
+
+def _config_row(c: KernelConfig) -> list[str]:
+    s, a = c.signature, c.algorithm
+    return [c.name, c.family.value, ",".join(d.value for d in s.dtypes), f"{s.head_dim_min}-{s.head_dim_max}",
+            _archs_text(s.archs), f"{a.block_m}x{a.block_n}", str(a.num_warps), str(a.num_stages)]
+
+
+def _cmd_kernels_list(args: argparse.Namespace, console: Any) -> int:
+    registry = _registry(args)
+    family = Family(args.family) if args.family else None
+    dtype = DType(args.dtype) if args.dtype else None
+    configs = list(registry.filter(arch=args.arch, family=family, dtype=dtype))
+    if args.json:
+        print(json.dumps([c.to_dict() for c in configs], indent=2))
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"registry {registry.name!r}: {len(configs)} of {len(registry)} configs")
+    table.add_column("name", no_wrap=True)
+    for column in ("family", "dtypes", "head dims", "archs", "tile (MxN)", "warps", "stages"):
+        table.add_column(column, overflow="fold")
+    for c in configs:
+        table.add_row(*_config_row(c))
+    console.print(table)
+    return 0
+
+
+def _cmd_kernels_explain(args: argparse.Namespace, console: Any) -> int:
+    arch = args.arch or current_arch()
+    problem = _spec_from_args(args, arch == CPU, title="explain").problem(arch)
+    dispatcher = Dispatcher(_registry(args)) if args.registry else get_dispatcher()
+    console.print(dispatcher.explain(problem, Family.FWD), soft_wrap=True)
+    try:
+        dispatcher.select(problem, Family.FWD)
+    except NoKernelError:
+        return 1
+    return 0
+
+
+def _statistics_text(registry: Registry) -> str:
+    lines = [f"registry {registry.name!r}: {len(registry)} configs"]
+    for key, counts in registry.statistics().items():
+        lines.append(f"  {key}: " + ", ".join(f"{name}={n}" for name, n in sorted(counts.items())))
+    return "\n".join(lines)
+
+
+def _cmd_kernels_export(args: argparse.Namespace, console: Any) -> int:
+    registry = _registry(args)
+    try:
+        Path(args.file).write_text(registry.to_json())
+    except OSError as e:
+        raise ConfigError(f"cannot write {args.file}: {e.strerror or e}") from None
+    console.print(f"wrote {args.file}", soft_wrap=True)
+    console.print(_statistics_text(registry), soft_wrap=True)
+    return 0
+
+
+def _cmd_kernels_import(args: argparse.Namespace, console: Any) -> int:
+    registry = _load_registry(args.file)
+    console.print(f"{args.file}: valid", soft_wrap=True)
+    console.print(_statistics_text(registry), soft_wrap=True)
+    for c in registry:
+        console.print(f"  {c.name}", soft_wrap=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------
+# The parser and main.
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of `fmha` (each subcommand sets `func`)."""
+    parser = argparse.ArgumentParser(prog="fmha", description="Fused multi-head attention kernels (Triton) "
+                                     "with a CK-style kernel dispatcher.")
+    parser.add_argument("--traceback", action="store_true", help="show tracebacks of errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run, time and validate one problem (or --demo)",
+                       description="Run fmha.attention on random normal inputs, time it and check it "
+                                   "against a float64 truth. Exit code 1 if the check fails.")
+    _add_problem_flags(p)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--no-validate", action="store_true", help="skip the check against float64")
+    p.add_argument("--repeat", type=_int_at_least(1), default=None, help="timed calls (default 20 on "
+                   "CUDA, 2 on the CPU)")
+    p.add_argument("--warmup", type=_int_at_least(0), default=None, help="untimed calls first (default 3 "
+                   "on CUDA, 1 on the CPU)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--demo", action="store_true", help="three fixed problems (small on the CPU); "
+                   "problem flags are ignored")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("info", help="device, arch, versions, Triton cache directory")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("kernels", help="the kernel registry: list, explain, export, import")
+    ks = p.add_subparsers(dest="kernels_command", required=True, metavar="ACTION")
+    k = ks.add_parser("list", help="the registry's configs")
+    k.add_argument("--arch", default=None, help="only configs for this arch (sm90, cpu, ...)")
+    k.add_argument("--family", choices=[f.value for f in Family], default=None)
+    k.add_argument("--dtype", choices=[d.value for d in DType], default=None)
+    k.add_argument("--registry", metavar="FILE", default=None, help="a registry JSON instead of the default")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=_cmd_kernels_list)
+    k = ks.add_parser("explain", help="which fwd config a problem gets, and why the others are refused",
+                      description="Exit code 1 when no config fits.")
+    _add_problem_flags(k)
+    k.add_argument("--arch", default=None, help="arch of the problem (default: the current device's, "
+                   "cpu without CUDA)")
+    k.add_argument("--registry", metavar="FILE", default=None, help="a registry JSON instead of the default")
+    k.set_defaults(func=_cmd_kernels_explain)
+    k = ks.add_parser("export", help="write the registry as JSON")
+    k.add_argument("file", metavar="FILE")
+    k.set_defaults(func=_cmd_kernels_export)
+    k = ks.add_parser("import", help="read and validate a registry JSON, print its statistics")
+    k.add_argument("file", metavar="FILE")
+    k.set_defaults(func=_cmd_kernels_import)
+
+    p = sub.add_parser("bench", help="fmha against cuDNN, FlashAttention-2 and FlexAttention (GPU)",
+                       description=(bench.__doc__ or "").split("\n\n")[0])
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.command)
+    return parser
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    # Markup off: messages contain brackets (lists of archs, dtypes) that are not markup.
+    return Console(markup=False, highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `fmha` command; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or a bad flag (2, message on stderr)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    try:
+        return args.func(args, _console())
+    except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
+        # ValueError covers NoKernelError and ConfigError; RuntimeError covers an interpreter
+        # that cannot run (numpy too new) and CUDA out-of-memory.
+        if args.traceback:
+            raise
+        kind = "" if isinstance(e, (ValueError, TypeError)) else f"{type(e).__name__}: "
+        print(f"error: {kind}{e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

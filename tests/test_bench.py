@@ -1,0 +1,231 @@
+"""fmha.bench without a GPU: suites, FLOPs, summaries, writers, and the no-CUDA refusal."""
+
+import csv
+import io
+import json
+import math
+
+import pytest
+import torch
+from rich.console import Console
+
+from fmha import Problem, bench, cli
+from fmha.bench import Shape
+
+
+def test_standard_suite_covers_the_performance_issue_shapes():
+    shapes = bench.standard_suite()
+    assert len(shapes) == 2 * 3 * 2 * 5
+    assert len({s.label for s in shapes}) == len(shapes)
+    assert {s.dtype for s in shapes} == {"bf16", "fp16"}
+    assert {s.head_dim for s in shapes} == {64, 128, 256}
+    assert {s.causal for s in shapes} == {False, True}
+    dense = {(s.batch, s.nhead_q, s.seqlen) for s in shapes if not s.gqa}
+    assert dense == {(16, 16, 1024), (4, 16, 4096), (2, 16, 8192), (1, 16, 16384)}
+    gqa = [s for s in shapes if s.gqa]
+    assert len(gqa) == 12
+    assert {(s.batch, s.nhead_q, s.nhead_k, s.seqlen) for s in gqa} == {(4, 32, 8, 8192)}
+
+
+def test_quick_suite_is_bf16_d128_causal_and_not():
+    shapes = bench.quick_suite()
+    fields = [(s.batch, s.nhead_q, s.seqlen, s.head_dim, s.dtype) for s in shapes]
+    assert fields == [(4, 16, 4096, 128, "bf16")] * 2
+    assert [s.causal for s in shapes] == [False, True]
+
+
+def test_flops_follow_the_flashattention_convention():
+    s = Shape(2, 8, 8, 1024, 128, "bf16", False)
+    fwd = 4 * 2 * 8 * 1024 * 1024 * 128
+    assert s.flops("fwd") == fwd
+    assert s.flops("bwd") == 2.5 * fwd
+    causal = Shape(2, 8, 8, 1024, 128, "bf16", True)
+    assert causal.flops("fwd") == fwd / 2 and causal.flops("bwd") == 2.5 * fwd / 2
+    # GQA: FLOPs count query heads.
+    assert Shape(2, 8, 2, 1024, 128).flops("fwd") == fwd
+    # Same number as Problem.flops_fwd when Dqk == Dv.
+    problem = Problem(batch=2, nhead_q=8, nhead_k=8, seqlen_q=1024, seqlen_k=1024, head_dim_qk=128,
+                      head_dim_v=128, causal=True, window=(-1, 0))
+    assert problem.flops_fwd() == causal.flops("fwd")
+    with pytest.raises(ValueError, match="mode"):
+        bench.flops(1, 1, 1, 1, 1, mode="both")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(nhead_q=6, nhead_k=4), "not a multiple"),
+    (dict(dtype="fp8"), "dtype"),
+    (dict(seqlen=0), "seqlen"),
+])
+def test_shape_checks_its_fields(kwargs, message):
+    fields = dict(batch=1, nhead_q=4, nhead_k=4, seqlen=128, head_dim=64, dtype="bf16", causal=False)
+    with pytest.raises(ValueError, match=message):
+        Shape(**{**fields, **kwargs})
+
+
+def _result(shape: Shape, mode: str, contender: str, tflops: float | None, error: str | None = None) -> dict:
+    ok = tflops is not None
+    flops = shape.flops(mode)
+    t = flops / (tflops * 1e12) * 1e3 if ok else None
+    return {"shape": shape.label, "batch": shape.batch, "nhead_q": shape.nhead_q, "nhead_k": shape.nhead_k,
+            "seqlen": shape.seqlen, "head_dim": shape.head_dim, "dtype": shape.dtype, "causal": shape.causal,
+            "mode": mode, "contender": contender, "ok": ok, "error": None if ok else (error or "boom"),
+            "method": "forward" if mode == "fwd" else "grad_retained_graph", "note": "",
+            "time_ms": t, "times_ms": [t] * 3 if ok else [], "flops": flops, "tflops": tflops,
+            "max_abs_diff": 0.0 if ok and mode == "fwd" else None, "diff_against": "cudnn"}
+
+
+def _synthetic() -> list[dict]:
+    a, b, c = Shape(1, 2, 2, 256, 64), Shape(1, 2, 2, 512, 64, causal=True), Shape(2, 4, 2, 256, 128)
+    return [
+        _result(a, "fwd", "fmha", 400.0), _result(a, "fwd", "cudnn", 200.0), _result(a, "fwd", "flex", 150.0),
+        _result(b, "fwd", "fmha", 100.0), _result(b, "fwd", "cudnn", 200.0), _result(b, "fwd", "flex", None),
+        _result(c, "fwd", "fmha", None, "NotImplementedError: no kernel"), _result(c, "fwd", "cudnn", 300.0),
+        _result(c, "fwd", "flex", 250.0),
+        _result(a, "bwd", "fmha", 90.0), _result(a, "bwd", "cudnn", 100.0), _result(a, "bwd", "flex", 80.0),
+        _result(b, "bwd", "fmha", None, "NotImplementedError: backward"), _result(b, "bwd", "cudnn", 120.0),
+        _result(b, "bwd", "flex", 100.0),
+    ]
+
+
+def test_geometric_mean_of_the_ratio_per_mode():
+    results = _synthetic()
+    rows = bench.ratio_rows(results)
+    labels = [Shape(1, 2, 2, 256, 64).label, Shape(1, 2, 2, 512, 64, causal=True).label,
+              Shape(2, 4, 2, 256, 128).label]
+    assert [(r["shape"], r["mode"]) for r in rows][:3] == [(label, "fwd") for label in labels]
+    assert [r["ratio"] for r in rows] == [2.0, 0.5, None, 0.9, None]
+    assert rows[2]["errors"] == {"fmha": "NotImplementedError: no kernel"}
+    s = bench.summary(results)
+    assert s["fwd"]["geomean_ratio"] == pytest.approx(1.0)  # sqrt(2 * 0.5)
+    assert (s["fwd"]["shapes"], s["fwd"]["total"]) == (2, 3)
+    assert s["bwd"]["geomean_ratio"] == pytest.approx(0.9)
+    assert (s["bwd"]["shapes"], s["bwd"]["total"]) == (1, 2)
+    assert bench.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert bench.geomean([]) is None
+
+
+def test_summary_without_any_pair_is_none():
+    shape = Shape(1, 2, 2, 256, 64)
+    s = bench.summary([_result(shape, "fwd", "fmha", None), _result(shape, "fwd", "cudnn", 100.0)])
+    assert s["fwd"]["geomean_ratio"] is None and s["fwd"]["shapes"] == 0
+
+
+def test_json_writer_produces_parseable_file(tmp_path):
+    results = _synthetic()
+    path = tmp_path / "bench.json"
+    env = {"date": "2025-01-01T00:00:00+00:00", "gpu": "synthetic", "torch": torch.__version__}
+    bench.write_json(path, results, env, {"rounds": 3})
+    data = json.loads(path.read_text())
+    assert data["environment"]["gpu"] == "synthetic"
+    assert data["settings"] == {"rounds": 3}
+    assert data["results"] == json.loads(json.dumps(results))
+    assert data["summary"]["fwd"]["geomean_ratio"] == pytest.approx(1.0)
+
+
+def test_json_writer_records_the_environment_by_default(tmp_path):
+    path = tmp_path / "bench.json"
+    bench.write_json(path, _synthetic())
+    env = json.loads(path.read_text())["environment"]
+    for key in ("date", "gpu", "torch", "triton", "cuda", "cudnn", "fmha"):
+        assert key in env
+    assert env["torch"] == torch.__version__
+
+
+def test_csv_writer_produces_parseable_file(tmp_path):
+    results = _synthetic()
+    path = tmp_path / "bench.csv"
+    bench.write_csv(path, results)
+    rows = list(csv.DictReader(io.StringIO(path.read_text())))
+    assert len(rows) == len(results)
+    assert tuple(rows[0]) == bench.CSV_FIELDS
+    assert rows[0]["contender"] == "fmha" and float(rows[0]["tflops"]) == 400.0
+    assert rows[5]["ok"] == "False" and rows[5]["tflops"] == ""
+
+
+def test_plot_writes_a_png(tmp_path):
+    path = tmp_path / "bench.png"
+    bench.plot(path, _synthetic(), title="synthetic")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_table_shows_tflops_ratio_and_geomean():
+    console = Console(file=io.StringIO(), width=200)
+    console.print(bench.render_table(_synthetic(), ["fmha", "cudnn", "flex"]))
+    text = console.file.getvalue()
+    assert "400.0" in text and "2.000" in text and "n/a" in text
+    assert "geomean (2/3 shapes)" in text and "1.000" in text
+    lines = bench.na_reasons(_synthetic())
+    assert any(line.startswith("fmha bwd") and "NotImplementedError: backward" in line for line in lines)
+
+
+def test_time_ms_on_the_cpu_is_positive():
+    calls = []
+    t = bench.time_ms(lambda: calls.append(sum(range(1000))), device="cpu", warmup=2, repeat=3)
+    assert t > 0 and len(calls) == 5
+
+
+def test_bench_without_cuda_says_so_and_exits_2(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "--suite", "quick"]) == 2
+    out, err = capsys.readouterr()
+    assert "needs a CUDA GPU" in err
+    with pytest.raises(RuntimeError, match="CUDA"):
+        bench.run_suite(bench.quick_suite(), ["fwd"], ["fmha"], 1, progress=False)
+
+
+def test_bench_dry_run_lists_the_shapes(capsys):
+    assert cli.main(["bench", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "60 shapes" in out and "Hq=32 Hk=8 S=8192" in out
+
+
+def test_bench_custom_shape_flags(capsys):
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench", "-b", "2", "--nhead-q", "8", "--nhead-k", "2", "--seqlen", "2048",
+                              "--hdim", "64", "--dtype", "fp16", "--causal", "--mode", "fwd",
+                              "--contenders", "fmha,cudnn"])
+    assert bench.shapes_from_args(args) == [Shape(2, 8, 2, 2048, 64, "fp16", True)]
+    assert args.contenders == ["fmha", "cudnn"]
+    assert bench.shapes_from_args(parser.parse_args(["bench"])) == bench.standard_suite()
+    assert cli.main(["bench", "--suite", "quick", "--seqlen", "128"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert cli.main(["bench", "--contenders", "fmha,xformers"]) == 2
+    assert "unknown contender" in capsys.readouterr().err
+
+
+def test_geomean_is_scale_free():
+    values = [0.5, 1.25, 3.0]
+    assert bench.geomean(values) == pytest.approx(math.prod(values) ** (1 / 3))
+
+
+def test_shards_split_the_suite_without_overlap():
+    parser = cli.build_parser()
+    parts = [bench.shapes_from_args(parser.parse_args(["bench", "--shard", f"{k}/4"])) for k in range(1, 5)]
+    assert sorted(s.label for part in parts for s in part) == sorted(s.label for s in bench.standard_suite())
+    assert [len(part) for part in parts] == [15] * 4
+    assert cli.main(["bench", "--shard", "5/4"]) == 2
+
+
+def test_merge_joins_json_files_without_a_gpu(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    results = _synthetic()
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    env = {"gpu": "synthetic"}
+    bench.write_json(first, results[:9], env)
+    bench.write_json(second, results[9:], env)
+    merged, table = tmp_path / "all.json", tmp_path / "all.csv"
+    code = cli.main(["bench", "--merge", str(first), str(second), "--json", str(merged), "--csv", str(table)])
+    out = capsys.readouterr().out
+    assert code == 0 and "geomean" in out
+    data = json.loads(merged.read_text())
+    assert len(data["results"]) == len(results)
+    assert data["environment"]["gpu"] == "synthetic"
+    assert data["summary"] == json.loads(json.dumps(bench.summary(results)))
+    assert len(list(csv.DictReader(io.StringIO(table.read_text())))) == len(results)
+
+
+def test_merge_refuses_a_file_that_is_not_bench_output(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"configs": []}')
+    assert cli.main(["bench", "--merge", str(bad)]) == 2
+    assert "cannot read bench results" in capsys.readouterr().err
