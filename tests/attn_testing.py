@@ -67,3 +67,68 @@ def check_attention(q, k, v, *, layout="bhsd", truth="numpy", **kw):
               numerics.compare("lse", lse, ref_lse, base_lse, torch.float32)):
         assert c.ok, str(c)
     return o, lse
+
+
+def check_backward(q, k, v, *, layout="bhsd", truth="numpy", with_dlse=False, **kw):
+    """fmha gradients (dq, dk, dv, dbias, dsinks) against the float64 truth (2x rule).
+
+    The baseline is torch autograd through `numerics.torch_attention` at the inputs'
+    dtype. Bias/sinks in kw get requires_grad here. Returns fmha's gradients.
+    """
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    bias, sinks = kw.pop("bias", None), kw.pop("sinks", None)
+    bias = None if bias is None else bias.detach().requires_grad_()
+    sinks = None if sinks is None else sinks.detach().requires_grad_()
+    want_mask = kw.get("dropout_p", 0) > 0
+    result = fmha.attention(q, k, v, layout=layout, return_lse=True, bias=bias, sinks=sinks,
+                            return_dropout_mask=want_mask, **kw)
+    o, lse = result[0], result[1]
+    mask = result[2] if want_mask else None
+    do = torch.randn(o.shape, dtype=torch.float32, device="cpu").to(o.dtype).to(o.device)
+    dlse = torch.randn(lse.shape, dtype=torch.float32).to(lse.device) if with_dlse else None
+    outputs = (o, lse) if with_dlse else (o,)
+    grads_out = (do, dlse) if with_dlse else (do,)
+    inputs = [t for t in (q, k, v, bias, sinks) if t is not None]
+    ours = torch.autograd.grad(outputs, inputs, grads_out)
+    names = ["dq", "dk", "dv"] + (["dbias"] if bias is not None else []) + (["dsinks"] if sinks is not None else [])
+    ours = dict(zip(names, ours, strict=True))
+
+    qb, kb, vb, dob = (bhsd(t, layout) for t in (q, k, v, do))
+    extra = {key: kw[key] for key in REF_KEYS if key in kw}
+    alibi = kw.get("alibi_slopes")
+    # Baseline: the same math in torch at the inputs' dtype, through torch autograd.
+    leaves = [t.detach().requires_grad_() for t in (qb, kb, vb)]
+    b_bias = None if bias is None else bias.detach().requires_grad_()
+    b_sinks = None if sinks is None else sinks.detach().requires_grad_()
+    base_o, base_lse = numerics.torch_attention(*leaves, bias=b_bias, sinks=b_sinks, alibi_slopes=alibi,
+                                                dropout_mask=mask, **extra)
+    b_outs = (base_o, base_lse) if with_dlse else (base_o,)
+    b_grads_out = (dob, dlse.to(base_lse.dtype)) if with_dlse else (dob,)
+    b_inputs = leaves + [t for t in (b_bias, b_sinks) if t is not None]
+    base = dict(zip(names, torch.autograd.grad(b_outs, b_inputs, b_grads_out), strict=True))
+    base["dq"], base["dk"], base["dv"] = (bhsd(base[n], layout) for n in ("dq", "dk", "dv"))
+
+    if truth == "numpy":
+        ref = reference.attention_bwd(
+            to_np(qb), to_np(kb), to_np(vb), to_np(dob), dlse=to_np(dlse),
+            bias=to_np(bias), sinks=to_np(sinks), alibi_slopes=to_np(alibi),
+            dropout_mask=None if mask is None else mask.cpu().numpy(), **extra)
+        ref = {n: torch.from_numpy(np.asarray(ref[n])) for n in names}
+        ref["dq"], ref["dk"], ref["dv"] = (bhsd(ref[n], layout) for n in ("dq", "dk", "dv"))
+    else:
+        leaves64 = [t.detach().double().requires_grad_() for t in (qb, kb, vb)]
+        r_bias = None if bias is None else bias.detach().double().requires_grad_()
+        r_sinks = None if sinks is None else sinks.detach().double().requires_grad_()
+        r_o, r_lse = numerics.torch_attention(*leaves64, compute_dtype=torch.float64, bias=r_bias,
+                                              sinks=r_sinks, alibi_slopes=alibi, dropout_mask=mask, **extra)
+        r_outs = (r_o, r_lse) if with_dlse else (r_o,)
+        r_grads = (dob.double(), dlse.double()) if with_dlse else (dob.double(),)
+        r_inputs = leaves64 + [t for t in (r_bias, r_sinks) if t is not None]
+        ref = dict(zip(names, torch.autograd.grad(r_outs, r_inputs, r_grads), strict=True))
+        ref["dq"], ref["dk"], ref["dv"] = (bhsd(ref[n], layout) for n in ("dq", "dk", "dv"))
+    for n in names:
+        assert ours[n].shape == ref[n].shape, (n, ours[n].shape, ref[n].shape)
+        assert not torch.isnan(ours[n]).any(), f"NaN in {n}"
+        c = numerics.compare(n, ours[n], ref[n], base[n], q.dtype)
+        assert c.ok, str(c)
+    return ours

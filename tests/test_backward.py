@@ -1,0 +1,158 @@
+"""Backward kernels through Triton's interpreter against the float64 reference."""
+
+import pytest
+import torch
+from attn_testing import check_backward, make_qkv, randn
+
+import fmha
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gradients_match_reference(rng, dtype, deterministic):
+    q, k, v = make_qkv(rng, batch=2, nhead_q=2, nhead_k=2, seqlen_q=40, seqlen_k=53,
+                       head_dim=32, dtype=dtype)
+    check_backward(q, k, v, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("mask_align", ["bottom_right", "top_left"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(40, 70), (70, 40)])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_causal_gradients_both_alignments(rng, mask_align, seqlen_q, seqlen_k, layout):
+    q, k, v = make_qkv(rng, batch=1, nhead_q=2, nhead_k=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                       head_dim=32, dtype=torch.float16, layout=layout)
+    check_backward(q, k, v, layout=layout, causal=True, mask_align=mask_align)
+
+
+@pytest.mark.parametrize("window,sink_size", [((6, 2), 0), ((5, 0), 3), ((-1, 4), 2)])
+def test_window_and_sink_token_gradients(rng, window, sink_size):
+    q, k, v = make_qkv(rng, batch=1, nhead_q=2, nhead_k=2, seqlen_q=45, seqlen_k=60,
+                       head_dim=32, dtype=torch.float16)
+    check_backward(q, k, v, window=window, sink_size=sink_size)
+
+
+@pytest.mark.parametrize("bias_shape", ["full", "1h1k", "b1qk", "qk"])
+def test_bias_gradient_is_reduced_over_broadcast_dims(rng, bias_shape):
+    B, H, Sq, Sk = 2, 2, 21, 38
+    q, k, v = make_qkv(rng, batch=B, nhead_q=H, nhead_k=H, seqlen_q=Sq, seqlen_k=Sk,
+                       head_dim=32, dtype=torch.float32)
+    shape = {"full": (B, H, Sq, Sk), "1h1k": (1, H, 1, Sk), "b1qk": (B, 1, Sq, Sk), "qk": (Sq, Sk)}
+    grads = check_backward(q, k, v, bias=randn(shape[bias_shape], torch.float32, rng), causal=True)
+    assert grads["dbias"].shape == shape[bias_shape]
+
+
+def test_alibi_softcap_sinks_gqa_and_dlse(rng):
+    q, k, v = make_qkv(rng, batch=2, nhead_q=4, nhead_k=2, seqlen_q=33, seqlen_k=47,
+                       head_dim=40, head_dim_v=24, dtype=torch.float16)
+    check_backward(q, k, v, alibi_slopes=torch.rand(4, generator=rng) * 0.3, softcap=3.0,
+                   sinks=randn((4,), torch.float32, rng), causal=True, with_dlse=True)
+
+
+@pytest.mark.parametrize("nhead_q,nhead_k", [(7, 1), (6, 3)])
+def test_gqa_gradients_sum_over_query_heads(rng, nhead_q, nhead_k):
+    q, k, v = make_qkv(rng, batch=1, nhead_q=nhead_q, nhead_k=nhead_k, seqlen_q=24, seqlen_k=33,
+                       head_dim=16, dtype=torch.float16)
+    check_backward(q, k, v)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dropout_gradients_replay_the_forward_mask(rng, deterministic):
+    q, k, v = make_qkv(rng, batch=1, nhead_q=2, nhead_k=2, seqlen_q=37, seqlen_k=41,
+                       head_dim=32, dtype=torch.float32)
+    check_backward(q, k, v, dropout_p=0.3, seed=77, offset=3, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(1, 1), (200, 96), (256, 256)])
+def test_gradients_for_odd_and_large_head_dims(rng, head_dim, head_dim_v):
+    q, k, v = make_qkv(rng, batch=1, nhead_q=1, nhead_k=1, seqlen_q=17, seqlen_k=20,
+                       head_dim=head_dim, head_dim_v=head_dim_v, dtype=torch.float32)
+    check_backward(q, k, v, causal=True)
+
+
+def test_deterministic_backward_is_bitwise_reproducible(rng):
+    q, k, v = make_qkv(rng, batch=1, nhead_q=4, nhead_k=1, seqlen_q=40, seqlen_k=40,
+                       head_dim=16, dtype=torch.float16)
+    runs = []
+    for _ in range(3):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        o = fmha.attention(qq, kk, vv, causal=True, deterministic=True)
+        o.backward(torch.ones_like(o))
+        runs.append(torch.cat([t.grad.flatten() for t in (qq, kk, vv)]))
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_gradients(rng, deterministic):
+    from fmha import reference
+    lens_q, lens_k = [5, 0, 30, 12], [9, 3, 30, 0]
+    cu_q = torch.tensor([0, 5, 5, 35, 47], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 12, 42, 42], dtype=torch.int32)
+    seqused = torch.tensor([7, 3, 25, 0], dtype=torch.int32)
+    q = randn((47, 4, 32), torch.float32, rng).requires_grad_()
+    k = randn((42, 2, 32), torch.float32, rng).requires_grad_()
+    v = randn((42, 2, 32), torch.float32, rng).requires_grad_()
+    sinks = randn((4,), torch.float32, rng).requires_grad_()
+    o = fmha.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), seqused_k=seqused,
+                              causal=True, sinks=sinks, deterministic=deterministic)
+    do = randn(o.shape, torch.float32, rng)
+    o.backward(do)
+    ref = reference.attention_varlen_bwd(
+        q.detach().double().numpy(), k.detach().double().numpy(), v.detach().double().numpy(),
+        do.double().numpy(), cu_q.numpy(), cu_k.numpy(), seqused_k=seqused.numpy(), causal=True,
+        sinks=sinks.detach().double().numpy())
+    for name, t in (("dq", q), ("dk", k), ("dv", v), ("dsinks", sinks)):
+        err = (t.grad.double() - torch.from_numpy(ref[name])).abs().max().item()
+        assert err < 1e-4, (name, err)
+
+
+def test_gradcheck_in_fp64_through_the_interpreter():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 9, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(1, 1, 12, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(1, 1, 12, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(1, 2, 9, 12, dtype=torch.float64, generator=g, requires_grad=True)
+    sinks = torch.randn(2, dtype=torch.float64, generator=g, requires_grad=True)
+    for deterministic in (False, True):
+        def f(q, k, v, bias, sinks):
+            return fmha.attention(q, k, v, causal=True, softcap=2.0, bias=bias, sinks=sinks,
+                                  window=(5, 0), sink_size=1, return_lse=True,
+                                  deterministic=deterministic)
+        assert torch.autograd.gradcheck(f, (q, k, v, bias, sinks), fast_mode=True)
+
+
+def test_torch_compile_fullgraph_transformer_block(rng):
+    class Block(torch.nn.Module):
+        def __init__(self, dim=32, heads=2):
+            super().__init__()
+            self.heads = heads
+            self.qkv = torch.nn.Linear(dim, 3 * dim)
+            self.out = torch.nn.Linear(dim, dim)
+
+        def forward(self, x):
+            b, s, d = x.shape
+            q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+            o = fmha.attention(q, k, v, layout="bshd", causal=True)
+            return x + self.out(o.reshape(b, s, d))
+
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(2, 24, 32, generator=rng, requires_grad=True)
+    eager = block(x)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    assert torch.allclose(out, eager, atol=1e-5)
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_fake_implementations_give_real_shapes(rng):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    q, k, v = make_qkv(rng, batch=2, nhead_q=4, nhead_k=2, seqlen_q=5, seqlen_k=7, head_dim=16,
+                       head_dim_v=8, dtype=torch.float16, layout="bshd")
+    real_o, real_lse = fmha.attention(q, k, v, layout="bshd", return_lse=True)
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fake_o, fake_lse = fmha.attention(fq, fk, fv, layout="bshd", return_lse=True)
+    assert fake_o.shape == real_o.shape and fake_lse.shape == real_lse.shape

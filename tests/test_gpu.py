@@ -1,0 +1,158 @@
+"""GPU tests (`pytest -m gpu`, on an H200): every feature at realistic sizes.
+
+The float64 truth is `numerics.torch_attention` in float64 on the GPU (checked against
+`fmha.reference` by the CPU tests); the bound is the FlashAttention 2x rule.
+"""
+
+import pytest
+import torch
+from attn_testing import check_attention, check_backward, make_qkv, randn
+
+import fmha
+from fmha import reference
+
+pytestmark = pytest.mark.gpu
+CUDA = "cuda"
+HALF = [torch.bfloat16, torch.float16]
+
+
+def qkv(rng, dtype=torch.bfloat16, layout="bhsd", **shape):
+    return make_qkv(rng, dtype=dtype, layout=layout, device=CUDA, **shape)
+
+
+@pytest.mark.parametrize("dtype", HALF + [torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_forward_realistic(rng, dtype, causal, head_dim):
+    q, k, v = qkv(rng, dtype, batch=2, nhead_q=8, nhead_k=8, seqlen_q=2048, seqlen_k=2048,
+                  head_dim=head_dim)
+    check_attention(q, k, v, causal=causal, truth="torch64")
+
+
+@pytest.mark.parametrize("seqlen", [8192, 16384])
+def test_forward_long_sequences(rng, seqlen):
+    q, k, v = qkv(rng, torch.bfloat16, batch=1, nhead_q=2, nhead_k=1, seqlen_q=seqlen,
+                  seqlen_k=seqlen, head_dim=128)
+    check_attention(q, k, v, causal=True, truth="torch64")
+
+
+@pytest.mark.parametrize("head_dim", [1, 40, 72, 80, 88, 96, 200])
+def test_forward_all_head_dims(rng, head_dim):
+    q, k, v = qkv(rng, torch.float16, batch=2, nhead_q=4, nhead_k=2, seqlen_q=1023, seqlen_k=1023,
+                  head_dim=head_dim)
+    check_attention(q, k, v, truth="torch64")
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 3131), (3, 799), (33, 1023), (113, 339),
+                                               (339, 113), (799, 3), (3131, 33)])
+@pytest.mark.parametrize("mask_align", ["bottom_right", "top_left"])
+def test_ck_matrix_shapes(rng, seqlen_q, seqlen_k, mask_align):
+    q, k, v = qkv(rng, torch.bfloat16, layout="bshd", batch=2, nhead_q=7, nhead_k=1,
+                  seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=72)
+    check_attention(q, k, v, layout="bshd", causal=True, mask_align=mask_align, truth="torch64")
+
+
+def test_mqa_64_to_1(rng):
+    q, k, v = qkv(rng, torch.bfloat16, batch=1, nhead_q=64, nhead_k=1, seqlen_q=512, seqlen_k=2048,
+                  head_dim=128)
+    check_attention(q, k, v, causal=True, truth="torch64")
+
+
+def test_forward_feature_mix(rng):
+    B, Hq, Hk, S = 2, 8, 2, 2048
+    q, k, v = qkv(rng, torch.bfloat16, layout="bshd", batch=B, nhead_q=Hq, nhead_k=Hk, seqlen_q=S,
+                  seqlen_k=S, head_dim=128)
+    check_attention(q, k, v, layout="bshd", window=(256, 0), sink_size=4,
+                    bias=randn((1, Hq, S, S), torch.bfloat16, rng, CUDA),
+                    alibi_slopes=torch.rand(Hq, device=CUDA) * 0.1, softcap=30.0,
+                    sinks=randn((Hq,), torch.float32, rng, CUDA), dropout_p=0.1, seed=11,
+                    truth="torch64")
+
+
+@pytest.mark.parametrize("feature", ["window", "bias", "alibi", "softcap", "sinks", "dropout"])
+def test_each_forward_feature(rng, feature):
+    B, H, S = 2, 8, 2048
+    q, k, v = qkv(rng, torch.float16, batch=B, nhead_q=H, nhead_k=H, seqlen_q=S, seqlen_k=S,
+                  head_dim=128)
+    kw = {"window": dict(window=(256, 256)), "bias": dict(bias=randn((B, 1, S, S), torch.float32, rng, CUDA)),
+          "alibi": dict(alibi_slopes=torch.rand(B, H, device=CUDA) * 0.1, causal=True),
+          "softcap": dict(softcap=20.0), "sinks": dict(sinks=randn((H,), torch.float32, rng, CUDA)),
+          "dropout": dict(dropout_p=0.1, seed=5)}[feature]
+    check_attention(q, k, v, truth="torch64", **kw)
+
+
+def test_varlen_forward_and_backward(rng):
+    lens_q, lens_k = [1, 0, 777, 2048, 33], [9, 5, 1000, 2048, 0]
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=CUDA)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=CUDA)
+    q = randn((sum(lens_q), 8, 128), torch.bfloat16, rng, CUDA).requires_grad_()
+    k = randn((sum(lens_k), 2, 128), torch.bfloat16, rng, CUDA).requires_grad_()
+    v = randn((sum(lens_k), 2, 128), torch.bfloat16, rng, CUDA).requires_grad_()
+    o = fmha.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+    do = randn(o.shape, torch.bfloat16, rng, CUDA)
+    o.backward(do)
+    ref = reference.attention_varlen_bwd(*(t.detach().double().cpu().numpy() for t in (q, k, v, do)),
+                                         cu_q.cpu().numpy(), cu_k.cpu().numpy(), causal=True)
+    ref_o, _ = reference.attention_varlen_fwd(*(t.detach().double().cpu().numpy() for t in (q, k, v)),
+                                              cu_q.cpu().numpy(), cu_k.cpu().numpy(), causal=True)
+    assert (o.double().cpu() - torch.from_numpy(ref_o)).abs().max() < 2e-2
+    for name, t in (("dq", q), ("dk", k), ("dv", v)):
+        rel = reference.relative_error(t.grad.double().cpu().numpy(), ref[name])
+        assert rel < 1e-2, (name, rel)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_realistic(rng, dtype, causal, head_dim, deterministic):
+    q, k, v = qkv(rng, dtype, batch=2, nhead_q=4, nhead_k=2, seqlen_q=1024, seqlen_k=1024,
+                  head_dim=head_dim)
+    check_backward(q, k, v, causal=causal, deterministic=deterministic, truth="torch64")
+
+
+def test_backward_feature_mix(rng):
+    B, Hq, Hk, S = 2, 4, 2, 1024
+    q, k, v = qkv(rng, torch.bfloat16, layout="bshd", batch=B, nhead_q=Hq, nhead_k=Hk, seqlen_q=S,
+                  seqlen_k=S, head_dim=128, head_dim_v=64)
+    check_backward(q, k, v, layout="bshd", window=(200, 0), sink_size=4,
+                   bias=randn((1, Hq, S, S), torch.float32, rng, CUDA),
+                   alibi_slopes=torch.rand(Hq, device=CUDA) * 0.1, softcap=30.0,
+                   sinks=randn((Hq,), torch.float32, rng, CUDA), dropout_p=0.1, seed=3,
+                   with_dlse=True, truth="torch64")
+
+
+def test_backward_fp32(rng):
+    q, k, v = qkv(rng, torch.float32, batch=1, nhead_q=4, nhead_k=4, seqlen_q=1000, seqlen_k=1100,
+                  head_dim=96)
+    check_backward(q, k, v, causal=True, truth="torch64")
+
+
+def test_deterministic_backward_bitwise_over_five_runs(rng):
+    q, k, v = qkv(rng, torch.bfloat16, batch=2, nhead_q=16, nhead_k=4, seqlen_q=2048, seqlen_k=2048,
+                  head_dim=128)
+    do = randn((2, 16, 2048, 128), torch.bfloat16, rng, CUDA)
+    runs = []
+    for _ in range(5):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        fmha.attention(qq, kk, vv, causal=True, deterministic=True).backward(do)
+        runs.append([t.grad.clone() for t in (qq, kk, vv)])
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run, strict=True))
+
+
+def test_peak_memory_has_no_seqlen_squared_term(rng):
+    S = 32768
+    q, k, v = qkv(rng, torch.bfloat16, batch=1, nhead_q=8, nhead_k=8, seqlen_q=S, seqlen_k=S,
+                  head_dim=128)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    o = fmha.attention(q, k, v, causal=True)
+    o.backward(torch.ones_like(o))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    tensor_bytes = q.numel() * q.element_size()
+    # o, do, dq, dk, dv, fp32 dq accumulator, lse, delta: ~10 tensors of q's size; S*S would be 16 GB.
+    assert extra < 12 * tensor_bytes, extra / tensor_bytes
