@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from attn_testing import check_backward, make_qkv, randn
 
 import fmha
+
+from attn_testing import check_backward, make_qkv, randn
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 

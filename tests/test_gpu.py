@@ -6,10 +6,11 @@ The float64 truth is `numerics.torch_attention` in float64 on the GPU (checked a
 
 import pytest
 import torch
-from attn_testing import check_attention, check_backward, make_qkv, randn
 
 import fmha
 from fmha import reference
+
+from attn_testing import check_attention, check_backward, make_qkv, randn
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"

@@ -132,7 +132,8 @@ def main() -> int:
                 torch=torch.__version__, triton=triton.__version__, shape=[B, H, S, D], dtype=str(DT))
     for step in (feature_costs, backward_modes):
         step(results)
-    tile_sweep(results, quick)
+    if "--no-sweep" not in sys.argv:
+        tile_sweep(results, quick)
     (out / "feature_cost.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     return 0
 

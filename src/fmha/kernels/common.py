@@ -141,12 +141,20 @@ def modify_logits(
 def dropout_keep(seed, offset, bh, rows, cols, dropout_p):
     """Keep decision of each (row, column) of query head bh = b * Hq + h.
 
-    A pure function of (seed, offset, b, h, i, j): Philox counters (j, i, bh, offset),
-    key (seed); the first of the four words becomes a uniform float in [0, 1).
+    A pure function of (seed, offset, b, h, i, j): one Philox call with counters
+    (j // 4, i, bh, offset) and key `seed` gives four words, one for each of the columns
+    4 * (j // 4) + t; word t becomes a uniform float in [0, 1). Needs BLOCK_N % 4 == 0 and
+    tiles starting at multiples of 4 (always true: tiles start at multiples of BLOCK_N).
     """
-    c0 = (cols[None, :] + 0 * rows[:, None]).to(tl.uint32)
-    c1 = (rows[:, None] + 0 * cols[None, :]).to(tl.uint32)
+    BLOCK_M: tl.constexpr = rows.shape[0]
+    BLOCK_N: tl.constexpr = cols.shape[0]
+    quads = tl.reshape(cols, (BLOCK_N // 4, 4))
+    col4 = tl.max(quads, 1) // 4  # j // 4 for each group of four columns
+    c0 = (col4[None, :] + 0 * rows[:, None]).to(tl.uint32)
+    c1 = (rows[:, None] + 0 * col4[None, :]).to(tl.uint32)
     c2 = (c0 * 0 + bh).to(tl.uint32)
     c3 = (c0 * 0 + offset).to(tl.uint32)
-    r, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
-    return tl.uint_to_uniform_float(r) >= dropout_p
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
+    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [BLOCK_M, BLOCK_N // 4, 2, 2]
+    words = tl.reshape(words, (BLOCK_M, BLOCK_N))  # column 4g + 2a + b <- word 2a + b of group g
+    return tl.uint_to_uniform_float(words) >= dropout_p
