@@ -31,6 +31,7 @@ class Feature(str, Enum):
     SEQUSED_K = "seqused_k"
     GQA = "gqa"
     V_COLUMN_MAJOR = "v_column_major"
+    DETERMINISTIC = "deterministic"  # bitwise reproducible backward
 
 
 class MaskAlign(str, Enum):
@@ -84,6 +85,7 @@ class Problem:
             Feature.SEQUSED_K: self.seqused_k,
             Feature.GQA: self.nhead_q != self.nhead_k,
             Feature.V_COLUMN_MAJOR: self.v_column_major,
+            Feature.DETERMINISTIC: self.deterministic,
         }
         return frozenset(k for k, on in f.items() if on)
 
