@@ -6,6 +6,7 @@ import pytest
 import torch
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected what it deselects
 def pytest_collection_modifyitems(config, items):
     selected_gpu = [item for item in items if item.get_closest_marker("gpu")]
     if selected_gpu and not torch.cuda.is_available():

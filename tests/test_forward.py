@@ -213,3 +213,17 @@ def test_varlen_with_bias_window_and_dropout(rng):
         bias=bias.double().numpy(), window=(6, 1), dropout_p=0.2, dropout_mask=mask.numpy())
     assert max_abs_error(o, torch.from_numpy(ref_o)) < 1e-4
     assert max_abs_error(lse, torch.from_numpy(ref_lse)) < 1e-4
+
+
+def test_varlen_combines_alibi_softcap_sink_tokens_and_gqa(rng):
+    lens_q, lens_k = [9, 26, 1], [30, 26, 4]
+    q, k, v, cu_q, cu_k = _varlen_case(rng, torch.float32, lens_q, lens_k, nhead_q=6, nhead_k=2)
+    slopes = torch.rand(3, 6, generator=rng) * 0.3
+    o, lse = fmha.attention_varlen(q, k, v, cu_q, cu_k, 26, 30, alibi_slopes=slopes, softcap=2.5,
+                                   window=(5, 0), sink_size=2, mask_align="top_left", return_lse=True)
+    ref_o, ref_lse = reference.attention_varlen_fwd(
+        q.double().numpy(), k.double().numpy(), v.double().numpy(), cu_q.numpy(), cu_k.numpy(),
+        alibi_slopes=slopes.double().numpy(), softcap=2.5, window=(5, 0), sink_size=2,
+        mask_align="top_left")
+    assert max_abs_error(o, torch.from_numpy(ref_o)) < 1e-4
+    assert max_abs_error(lse, torch.from_numpy(ref_lse)) < 1e-4
