@@ -157,3 +157,67 @@ def test_peak_memory_has_no_seqlen_squared_term(rng):
     tensor_bytes = q.numel() * q.element_size()
     # o, do, dq, dk, dv, fp32 dq accumulator, lse, delta: ~10 tensors of q's size; S*S would be 16 GB.
     assert extra < 12 * tensor_bytes, extra / tensor_bytes
+
+
+def _gather_cache(cache, block_table, lengths):
+    """Per batch, the first lengths[b] tokens of a paged cache as (1, Hk, L, D)."""
+    page = cache.shape[1]
+    out = []
+    for b, n in enumerate(lengths):
+        pages = block_table[b, : -(-n // page)].long()
+        out.append(cache[pages].reshape(-1, *cache.shape[2:])[:n].transpose(0, 1)[None])
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+@pytest.mark.parametrize("nhead_q,head_dim", [(32, 128), (64, 64), (32, 256)])
+def test_paged_decode_at_serving_sizes(rng, page_size, nhead_q, head_dim):
+    B, Hk, cap = 8, 8, 8192
+    pages_per_seq = cap // page_size
+    num_pages = B * pages_per_seq
+    kc = randn((num_pages, page_size, Hk, head_dim), torch.bfloat16, rng, CUDA)
+    vc = randn((num_pages, page_size, Hk, head_dim), torch.bfloat16, rng, CUDA)
+    bt = torch.randperm(num_pages, device=CUDA).reshape(B, pages_per_seq).int()
+    lengths = [1, 100, 1000, 4097, 8191, 8000, 2048, 777]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=CUDA)
+    q = randn((B, 1, nhead_q, head_dim), torch.bfloat16, rng, CUDA)
+    kn = randn((B, 1, Hk, head_dim), torch.bfloat16, rng, CUDA)
+    vn = randn((B, 1, Hk, head_dim), torch.bfloat16, rng, CUDA)
+    from fmha import numerics
+    o, lse = fmha.attention_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=seqlens, block_table=bt,
+                                         causal=True, return_lse=True)
+    ks = _gather_cache(kc, bt, [n + 1 for n in lengths])
+    vs = _gather_cache(vc, bt, [n + 1 for n in lengths])
+    for b in range(B):
+        qb = q[b:b + 1].transpose(1, 2)
+        ref_o, ref_lse = numerics.torch_attention(qb, ks[b], vs[b], compute_dtype=torch.float64, causal=True)
+        base_o, base_lse = numerics.torch_attention(qb, ks[b], vs[b], causal=True)
+        c = numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16)
+        assert c.ok, (b, str(c))
+        c = numerics.compare("lse", lse[b:b + 1], ref_lse, base_lse, torch.float32)
+        assert c.ok, (b, str(c))
+
+
+def test_decode_step_captured_in_a_cuda_graph(rng):
+    B, Hq, Hk, D, page, pages = 4, 32, 8, 128, 16, 64
+    kc = randn((B * pages, page, Hk, D), torch.bfloat16, rng, CUDA)
+    vc = randn((B * pages, page, Hk, D), torch.bfloat16, rng, CUDA)
+    bt = torch.arange(B * pages, device=CUDA, dtype=torch.int32).reshape(B, pages)
+    seqlens = torch.tensor([5, 300, 17, 900], dtype=torch.int32, device=CUDA)
+    q = randn((B, 1, Hq, D), torch.bfloat16, rng, CUDA)
+    kn, vn = randn((B, 1, Hk, D), torch.bfloat16, rng, CUDA), randn((B, 1, Hk, D), torch.bfloat16, rng, CUDA)
+
+    def step():
+        return fmha.attention_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=seqlens, block_table=bt,
+                                           causal=True, num_splits=4)
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for new_lengths in ([6, 301, 18, 901], [100, 7, 1000, 0]):
+        seqlens.copy_(torch.tensor(new_lengths, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step())

@@ -15,6 +15,7 @@ from .api import (
     problem_of,
     set_dispatcher,
 )
+from .kvcache import attention_with_kvcache, merge_states
 from .configs import Algorithm, ConfigError, Family, KernelConfig, Pipeline, Signature
 from .dispatcher import Dispatcher, NoKernelError, Plan
 from .problem import DType, Feature, MaskAlign, Problem
@@ -24,7 +25,7 @@ from .validation import set_debug
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "attention_varlen", "explain", "problem_of", "get_dispatcher", "set_dispatcher",
+    "attention", "attention_varlen", "attention_with_kvcache", "merge_states", "explain", "problem_of", "get_dispatcher", "set_dispatcher",
     "set_debug", "Algorithm", "ConfigError", "Family", "KernelConfig", "Pipeline", "Signature",
     "Dispatcher", "NoKernelError", "Plan", "DType", "Feature", "MaskAlign", "Problem", "Registry",
     "default_registry", "__version__",

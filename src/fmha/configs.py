@@ -23,6 +23,9 @@ class Family(str, Enum):
     BWD_DQ_DK_DV = "bwd_dq_dk_dv"  # dK/dV, and dQ by atomics into an fp32 buffer
     BWD_CONVERT_DQ = "bwd_convert_dq"  # that buffer to dQ
     BWD_DQ = "bwd_dq"  # dQ without atomics (deterministic backward)
+    FWD_SPLITKV = "fwd_splitkv"  # attention over a (paged) KV cache, keys split across programs
+    SPLITKV_COMBINE = "splitkv_combine"  # merge partial (o, lse); also fmha.merge_states
+    APPEND_KV = "append_kv"  # new keys/values into the cache, RoPE on the way
 
 
 class Pipeline(str, Enum):
@@ -35,6 +38,10 @@ class Pipeline(str, Enum):
 CUDA_ARCHS = ("sm80", "sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm120")
 CPU = "cpu"
 ALL_FEATURES = frozenset(Feature)
+# What the dense kernels serve (everything but a paged cache) and what the KV-cache kernel serves.
+DENSE_FEATURES = ALL_FEATURES - {Feature.PAGED_KV}
+KVCACHE_FEATURES = frozenset({Feature.MASK, Feature.SINK_TOKENS, Feature.ALIBI, Feature.SOFTCAP,
+                              Feature.SINKS, Feature.GQA, Feature.PAGED_KV, Feature.SEQUSED_K})
 
 
 class ConfigError(ValueError):
@@ -50,7 +57,7 @@ class Signature:
     archs: tuple[str, ...]
     head_dim_max: int
     head_dim_min: int = 1
-    features: frozenset[Feature] = ALL_FEATURES
+    features: frozenset[Feature] = DENSE_FEATURES
 
     def refusals(self, problem: Problem) -> list[str]:
         reasons = []

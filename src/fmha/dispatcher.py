@@ -82,6 +82,24 @@ class Dispatcher:
             families = [Family.BWD_DOT_DO_O, Family.BWD_DQ_DK_DV, Family.BWD_CONVERT_DQ]
         return self._plan(problem, families)
 
+    def plan_kvcache(self, problem: Problem, *, append: bool, num_splits: int) -> Plan:
+        """Append new keys/values (and RoPE) if asked, attention over the cache, merge splits."""
+        families = ([Family.APPEND_KV] if append else []) + [Family.FWD_SPLITKV]
+        if num_splits > 1:
+            families.append(Family.SPLITKV_COMBINE)
+        return self._plan(problem, families)
+
+    @staticmethod
+    def num_splits(problem: Problem, sm_count: int, block_m: int, block_n: int) -> int:
+        """Split-KV heuristic (flash-decoding): enough programs to fill the multiprocessors
+        twice, each split keeping at least 4 key tiles, at most 128 splits."""
+        programs = problem.batch * problem.nhead_q * -(-problem.seqlen_q // block_m)
+        if programs >= sm_count:
+            return 1
+        by_occupancy = -(-2 * sm_count // programs)
+        by_length = max(1, problem.seqlen_k // (4 * block_n))
+        return max(1, min(128, by_occupancy, by_length))
+
     def _plan(self, problem: Problem, families: Sequence[Family]) -> Plan:
         launches = []
         for family in families:

@@ -32,6 +32,7 @@ class Feature(str, Enum):
     GQA = "gqa"
     V_COLUMN_MAJOR = "v_column_major"
     DETERMINISTIC = "deterministic"  # bitwise reproducible backward
+    PAGED_KV = "paged_kv"  # keys and values read through a block table
 
 
 class MaskAlign(str, Enum):
@@ -66,6 +67,7 @@ class Problem:
     seqused_k: bool = False
     v_column_major: bool = False
     deterministic: bool = False
+    paged_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.causal and self.window[1] != 0:
@@ -86,6 +88,7 @@ class Problem:
             Feature.GQA: self.nhead_q != self.nhead_k,
             Feature.V_COLUMN_MAJOR: self.v_column_major,
             Feature.DETERMINISTIC: self.deterministic,
+            Feature.PAGED_KV: self.paged_kv,
         }
         return frozenset(k for k, on in f.items() if on)
 
@@ -115,5 +118,5 @@ class Problem:
             extras.append(f"dropout={self.dropout_p}")
         extras += [f.value for f in sorted(self.features, key=lambda f: f.value)
                    if f in (Feature.BIAS, Feature.ALIBI, Feature.SINKS, Feature.VARLEN,
-                            Feature.SEQUSED_K, Feature.V_COLUMN_MAJOR)]
+                            Feature.SEQUSED_K, Feature.V_COLUMN_MAJOR, Feature.PAGED_KV)]
         return shape + ("" if not extras else " " + " ".join(extras))

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .configs import ALL_FEATURES, CPU, CUDA_ARCHS, Algorithm, ConfigError, Family, KernelConfig, Signature
+from .configs import CPU, CUDA_ARCHS, DENSE_FEATURES, KVCACHE_FEATURES, Algorithm, ConfigError, Family, KernelConfig, Signature
 from .problem import DType, Feature
 
 FORMAT_VERSION = 1
@@ -91,7 +91,7 @@ class Registry:
 
 
 def _config(family, dtypes, archs, head_dim_max, block_m, block_n, warps, stages, head_dim_min=1,
-            features=ALL_FEATURES):
+            features=DENSE_FEATURES):
     return KernelConfig(
         Signature(family, dtypes, archs, head_dim_max, head_dim_min, features),
         Algorithm(block_m, block_n, warps, stages),
@@ -130,7 +130,7 @@ def default_registry() -> Registry:
         # H200, 2026-11-29: m32 n64 w4 s3 runs 256/223 TFLOP/s (m64 n128 w8 s2: 152/116), but
         # with block_m=32 dK is not bitwise reproducible run to run even without atomics
         # (errors stay within the 2x bound): not for deterministic problems.
-        (half, cuda, 128, 32, 64, 4, 3, 1, ALL_FEATURES - {Feature.DETERMINISTIC}),
+        (half, cuda, 128, 32, 64, 4, 3, 1, DENSE_FEATURES - {Feature.DETERMINISTIC}),
         (half, cuda, 128, 64, 128, 8, 2),
         (half, cuda, 256, 32, 64, 8, 1, 129),
         (fp32, cuda, 128, 32, 64, 4, 1),
@@ -146,4 +146,16 @@ def default_registry() -> Registry:
     ])
     configs += _family_configs(Family.BWD_CONVERT_DQ, [
         (every, cuda, 256, 64, 16, 4, 1), (with_fp64, cpu, 256, 32, 16, 4, 1)])
+    # KV cache: decode tiles are short in queries (block_m 16) and long in keys.
+    kv = KVCACHE_FEATURES
+    configs += _family_configs(Family.FWD_SPLITKV, [
+        (half, cuda, 128, 16, 64, 4, 3, 1, kv),
+        (half, cuda, 256, 16, 32, 4, 2, 129, kv),
+        (fp32, cuda, 256, 16, 32, 4, 2, 1, kv),
+        (every, cpu, 256, 16, 16, 4, 1, 1, kv),
+    ])
+    configs += _family_configs(Family.SPLITKV_COMBINE, [
+        (every, cuda, 256, 32, 16, 4, 1, 1, kv), (every, cpu, 256, 16, 16, 4, 1, 1, kv)])
+    configs += _family_configs(Family.APPEND_KV, [
+        (every, cuda, 256, 16, 16, 4, 1, 1, kv), (every, cpu, 256, 16, 16, 4, 1, 1, kv)])
     return Registry(configs, name="default")

@@ -1,0 +1,338 @@
+"""KV-cache kernels: families `fwd_splitkv`, `splitkv_combine` and `append_kv`.
+
+`splitkv_kernel`: attention of q (B, Sq, Hq, D) over a KV cache, contiguous
+(B_cache, S_cache, Hk, D) (optionally rows picked by `cache_batch_idx`) or paged
+(num_pages, page_size, Hk, D) through a vLLM-style `block_table`, with per-batch key
+counts read on the device (no host synchronisation, CUDA-graph safe). With several
+splits each program covers one slice of the keys and writes an fp32 partial output and
+its LSE; `combine_kernel` merges them (also the engine of `fmha.merge_states`).
+`rotary_append_kernel`: rotates rows (RoPE, interleaved or half-split) and writes them
+to a destination: new keys into the cache at `cache_seqlens[b] + t`, or queries into a
+rotated copy.
+
+Masks, soft-cap and ALiBi come from `common`, shared with the other families.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import LN2, LOG2E, key_range, modify_logits, visible
+
+
+@triton.jit
+def _kv_tile_ptrs(Base, b_row, BlockTable, stride_btb, page_size, stride_row, stride_tok, hk, stride_h,
+                  cols, col_ok, offs_d, stride_d, PAGED: tl.constexpr):
+    """Pointers [BLOCK_N, BLOCK_D] of keys `cols` of one batch in a contiguous or paged cache."""
+    if PAGED:
+        page = tl.load(BlockTable + b_row * stride_btb + cols // page_size, mask=col_ok, other=0)
+        rows = page.to(tl.int64) * stride_row + (cols % page_size) * stride_tok
+    else:
+        rows = b_row.to(tl.int64) * stride_row + cols.to(tl.int64) * stride_tok
+    return Base + rows[:, None] + hk * stride_h + offs_d[None, :] * stride_d
+
+
+@triton.jit(do_not_specialize=["window_left", "window_right", "sink_size"])
+def splitkv_kernel(
+    Q, K, V, O, LSE, Alibi, Sinks, BlockTable, CacheBatchIdx, SeqlensK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh, stride_os,
+    stride_lb, stride_lh, stride_lm, stride_ls,
+    stride_btb, page_size, stride_alibib, stride_alibih,
+    batch, nheads_q, group_size, seqlen_q, head_dim_qk, head_dim_v, num_splits,
+    scale, softcap, window_left, window_right, sink_size,
+    PAGED: tl.constexpr, HAS_CACHE_BATCH_IDX: tl.constexpr, ALIGN_BOTTOM_RIGHT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    num_m = tl.cdiv(seqlen_q, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = pid % num_m
+    rest = pid // num_m
+    bh = rest % (batch * nheads_q)
+    split = rest // (batch * nheads_q)
+    b = bh // nheads_q
+    h = bh % nheads_q
+    hk = h // group_size
+    len_q = seqlen_q
+    len_k = tl.load(SeqlensK + b)
+    b_row = b
+    if HAS_CACHE_BATCH_IDX:
+        b_row = tl.load(CacheBatchIdx + b)
+    diag_offset = 0
+    if ALIGN_BOTTOM_RIGHT:
+        diag_offset = len_k - len_q
+    m_lo = pid_m * BLOCK_M
+    rows = m_lo + tl.arange(0, BLOCK_M)
+    row_ok = rows < len_q
+    offs_dq = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    q = tl.load(Q + b64 * stride_qb + rows[:, None] * stride_qm + h * stride_qh + offs_dq[None, :],
+                mask=row_ok[:, None] & (offs_dq[None, :] < head_dim_qk), other=0.0)
+    alibi_slope = 0.0
+    if HAS_ALIBI:
+        alibi_slope = tl.load(Alibi + b * stride_alibib + h * stride_alibih)
+
+    # Keys of this split: block-aligned slices of [0, len_k).
+    chunk = tl.cdiv(tl.cdiv(len_k, num_splits), BLOCK_N) * BLOCK_N
+    s_lo = split * chunk
+    s_hi = tl.minimum(s_lo + chunk, len_k)
+    lo, hi = key_range(m_lo, tl.minimum(m_lo + BLOCK_M, len_q), len_k, diag_offset, window_left,
+                       window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # Two key ranges: sink tokens left of the window, then the window; each cut to the split.
+    for part in tl.static_range(2):
+        if part == 0:
+            start = s_lo
+            end = s_lo
+            if HAS_SINK_TOKENS:
+                end = tl.minimum(tl.minimum(sink_size, lo), s_hi)
+        else:
+            start = tl.maximum(lo, s_lo)
+            end = tl.minimum(hi, s_hi)
+        for n0 in range(start, end, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            col_ok = cols < len_k
+            k = tl.load(_kv_tile_ptrs(K, b_row, BlockTable, stride_btb, page_size, stride_kb, stride_kn,
+                                      hk, stride_kh, cols, col_ok, offs_dq, 1, PAGED),
+                        mask=col_ok[:, None] & (offs_dq[None, :] < head_dim_qk), other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            if HAS_SOFTCAP or HAS_ALIBI:
+                s, _ = modify_logits(s, rows, cols, diag_offset, Q, row_ok[:, None], alibi_slope, softcap,
+                                     HAS_SOFTCAP, False, HAS_ALIBI)
+            vis = visible(rows, cols, len_q, len_k, diag_offset, window_left, window_right, sink_size,
+                          HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
+            s = tl.where(vis, s * LOG2E, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(_kv_tile_ptrs(V, b_row, BlockTable, stride_btb, page_size, stride_vb, stride_vn,
+                                      hk, stride_vh, cols, col_ok, offs_dv, 1, PAGED),
+                        mask=col_ok[:, None] & (offs_dv[None, :] < head_dim_v), other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+    if HAS_SINKS and not SPLIT:  # with splits the combine adds the sink once
+        sink = tl.load(Sinks + h) * LOG2E
+        m_fin = tl.maximum(m_i, sink)
+        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+        alpha = tl.math.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
+        acc = acc * alpha[:, None]
+        m_i = m_fin
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    split64 = split.to(tl.int64)
+    tl.store(O + split64 * stride_os + b64 * stride_ob + rows[:, None] * stride_om + h * stride_oh
+             + offs_dv[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < head_dim_v))
+    tl.store(LSE + split64 * stride_ls + b64 * stride_lb + h * stride_lh + rows * stride_lm, lse, mask=row_ok)
+
+
+@triton.jit
+def combine_kernel(
+    Opart, LSEpart, O, LSE, Sinks,
+    n_parts, n_rows, nheads, seqlen, head_dim,
+    stride_pp, stride_pr, stride_lp,
+    stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
+    HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge partial (o, lse) pairs: lse = logsumexp_s lse_s, o = sum_s exp(lse_s - lse) o_s.
+
+    Partial rows r = (b * nheads + h) * seqlen + i; outputs are addressed by (b, h, i).
+    """
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = r < n_rows
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = r_ok[:, None] & (offs_d[None, :] < head_dim)
+    r64 = r.to(tl.int64)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(n_parts):
+        lse_s = tl.load(LSEpart + s * stride_lp + r64, mask=r_ok, other=float("-inf")).to(tl.float32)
+        o_s = tl.load(Opart + s * stride_pp + r64[:, None] * stride_pr + offs_d[None, :], mask=dmask,
+                      other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse_s - m_safe)
+        acc = acc * alpha[:, None] + w[:, None] * o_s
+        l_sum = l_sum * alpha + w
+        m = m_new
+    i = r % seqlen
+    h = (r // seqlen) % nheads
+    b = (r // seqlen // nheads).to(tl.int64)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h, mask=r_ok, other=float("-inf"))
+        m_new = tl.maximum(m, sink)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        acc = acc * alpha[:, None]
+        l_sum = l_sum * alpha + tl.exp(sink - m_safe)
+        m = m_new
+    empty = l_sum == 0.0
+    l_safe = tl.where(empty, 1.0, l_sum)
+    m_out = tl.where(m == float("-inf"), 0.0, m)
+    tl.store(O + b[:, None] * stride_ob + h[:, None] * stride_oh + i[:, None] * stride_om + offs_d[None, :],
+             (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=dmask)
+    tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_lm,
+             tl.where(empty, float("-inf"), m_out + tl.log(l_safe)), mask=r_ok)
+
+
+@triton.jit
+def rotary_append_kernel(
+    Src, Dst, Cos, Sin, BlockTable, CacheBatchIdx, Base,
+    stride_sb, stride_st, stride_sh,
+    stride_db, stride_dt, stride_dh,
+    stride_cos, stride_btb, page_size,
+    ntok, nheads, head_dim, rotary_half,
+    PAGED: tl.constexpr, HAS_CACHE_BATCH_IDX: tl.constexpr, ROTATE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, DST_AT_BASE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Rows t of src (B, T, H, D) -> dst at position (Base[b] if DST_AT_BASE else 0) + t,
+    rotated at position Base[b] + t when ROTATE (first 2 * rotary_half features)."""
+    num_t = tl.cdiv(ntok, BLOCK_T)
+    pid = tl.program_id(0)
+    pid_t = pid % num_t
+    bh = pid // num_t
+    b = bh // nheads
+    h = bh % nheads
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < ntok
+    d = tl.arange(0, BLOCK_D)
+    mask = t_ok[:, None] & (d[None, :] < head_dim)
+    base = tl.load(Base + b)
+    src_rows = Src + b.to(tl.int64) * stride_sb + t[:, None].to(tl.int64) * stride_st + h * stride_sh
+    x = tl.load(src_rows + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ROTATE:
+        rot = d < 2 * rotary_half
+        if INTERLEAVED:  # pairs (2j, 2j + 1)
+            j = d // 2
+            partner = d ^ 1
+            sign = tl.where(d % 2 == 0, -1.0, 1.0)
+        else:  # halves (j, j + rotary_half)
+            j = tl.where(d < rotary_half, d, d - rotary_half)
+            partner = tl.where(d < rotary_half, d + rotary_half, d - rotary_half)
+            sign = tl.where(d < rotary_half, -1.0, 1.0)
+        pos = (base + t).to(tl.int64)
+        rmask = mask & rot[None, :]
+        cos = tl.load(Cos + pos[:, None] * stride_cos + j[None, :], mask=rmask, other=1.0).to(tl.float32)
+        sin = tl.load(Sin + pos[:, None] * stride_cos + j[None, :], mask=rmask, other=0.0).to(tl.float32)
+        xp = tl.load(src_rows + partner[None, :], mask=rmask, other=0.0).to(tl.float32)
+        x = tl.where(rot[None, :], x * cos + sign[None, :] * xp * sin, x)
+    dst_t = t
+    if DST_AT_BASE:
+        dst_t = base + t
+    b_row = b
+    if HAS_CACHE_BATCH_IDX:
+        b_row = tl.load(CacheBatchIdx + b)
+    if PAGED:
+        page = tl.load(BlockTable + b_row * stride_btb + dst_t // page_size, mask=t_ok, other=0)
+        rows = page.to(tl.int64) * stride_db + (dst_t % page_size) * stride_dt
+    else:
+        rows = b_row.to(tl.int64) * stride_db + dst_t.to(tl.int64) * stride_dt
+    tl.store(Dst + rows[:, None] + h * stride_dh + d[None, :], x.to(Dst.dtype.element_ty), mask=mask)
+
+
+def _pow2(d):
+    return max(16, triton.next_power_of_2(d))
+
+
+def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table=None, cache_batch_idx=None,
+                     alibi_slopes=None, sinks=None, num_splits: int, scale: float, softcap: float,
+                     window: tuple[int, int], sink_size: int, align_bottom_right: bool,
+                     block_m: int, block_n: int, num_warps: int, num_stages: int,
+                     dot_precision: str) -> None:
+    """q (B, Sq, Hq, D); caches (B_cache, S, Hk, D) or (pages, page_size, Hk, D).
+
+    num_splits == 1: o (B, Sq, Hq, Dv) and lse (B, Hq, Sq) are final. num_splits > 1:
+    o is (splits, B, Hq, Sq, Dv) fp32 and lse (splits, B, Hq, Sq): partial results whose
+    rows flatten to (b * Hq + h) * Sq + i, as `launch_combine` reads them.
+    """
+    batch, seqlen_q, nheads_q, head_dim_qk = q.shape
+    nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[-1]
+    split = num_splits > 1
+    # kernel order: (batch, row, head, split)
+    o_strides = (o.stride(1), o.stride(3), o.stride(2), o.stride(0)) if split else (*o.stride()[:3], 0)
+    lse_strides = (lse.stride(1), lse.stride(2), lse.stride(3), lse.stride(0)) if split else (*lse.stride(), 0)
+    alibi_strides = (alibi_slopes.stride(0) if alibi_slopes.shape[0] > 1 else 0,
+                     alibi_slopes.stride(1)) if alibi_slopes is not None else (0, 0)
+    dummy = seqlens_k
+    left, right = window
+    grid = (triton.cdiv(seqlen_q, block_m) * batch * nheads_q * num_splits,)
+    if grid[0] == 0:
+        return
+    splitkv_kernel[grid](
+        q, k_cache, v_cache, o, lse,
+        alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
+        block_table if block_table is not None else dummy,
+        cache_batch_idx if cache_batch_idx is not None else dummy, seqlens_k,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *o_strides, *lse_strides,
+        block_table.stride(0) if block_table is not None else 0,
+        k_cache.shape[1] if block_table is not None else 1, *alibi_strides,
+        batch, nheads_q, nheads_q // nheads_k, seqlen_q, head_dim_qk, head_dim_v, num_splits,
+        scale, softcap, left, right, sink_size,
+        PAGED=block_table is not None, HAS_CACHE_BATCH_IDX=cache_batch_idx is not None,
+        ALIGN_BOTTOM_RIGHT=align_bottom_right, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
+        HAS_SINK_TOKENS=sink_size > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
+        HAS_SINKS=sinks is not None, SPLIT=split, DOT_PRECISION=dot_precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=_pow2(head_dim_qk), BLOCK_DV=_pow2(head_dim_v),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sinks=None,
+                   block_m: int, num_warps: int, **_unused) -> None:
+    """o_parts (n, R, D) with rows r = (b * nheads + h) * seqlen + i; lse_parts (n, R).
+
+    o is addressed as (B, Sq, H, D) [strides of o.permute], lse as (B, H, Sq).
+    """
+    n_parts, n_rows, head_dim = o_parts.shape
+    if n_rows == 0:
+        return
+    grid = (triton.cdiv(n_rows, block_m),)
+    combine_kernel[grid](
+        o_parts, lse_parts, o, lse, sinks if sinks is not None else lse,
+        n_parts, n_rows, nheads, seqlen, head_dim,
+        o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0),
+        o.stride(0), o.stride(2), o.stride(1), lse.stride(0), lse.stride(1), lse.stride(2),
+        HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_D=_pow2(head_dim), num_warps=num_warps,
+    )
+
+
+def launch_rotary_append(src, dst, *, base, cos=None, sin=None, interleaved=False, block_table=None,
+                         cache_batch_idx=None, dst_at_base: bool, block_m: int, num_warps: int,
+                         **_unused) -> None:
+    """src (B, T, H, D) -> dst cache (B_cache, S, H, D) / (pages, page_size, H, D) or (B, T, H, D)."""
+    batch, ntok, nheads, head_dim = src.shape
+    grid = (triton.cdiv(ntok, block_m) * batch * nheads,)
+    if grid[0] == 0:
+        return
+    rotate = cos is not None
+    rotary_kernel_args = (cos, sin, cos.stride(0), cos.shape[1]) if rotate else (base, base, 0, 0)
+    rotary_append_kernel[grid](
+        src, dst, rotary_kernel_args[0], rotary_kernel_args[1],
+        block_table if block_table is not None else base,
+        cache_batch_idx if cache_batch_idx is not None else base, base,
+        src.stride(0), src.stride(1), src.stride(2), dst.stride(0), dst.stride(1), dst.stride(2),
+        rotary_kernel_args[2], block_table.stride(0) if block_table is not None else 0,
+        dst.shape[1] if block_table is not None else 1,
+        ntok, nheads, head_dim, rotary_kernel_args[3],
+        PAGED=block_table is not None, HAS_CACHE_BATCH_IDX=cache_batch_idx is not None,
+        ROTATE=rotate, INTERLEAVED=interleaved, DST_AT_BASE=dst_at_base,
+        BLOCK_T=block_m, BLOCK_D=_pow2(head_dim), num_warps=num_warps,
+    )

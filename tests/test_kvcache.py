@@ -1,0 +1,127 @@
+"""KV-cache attention (append, RoPE, paged, split-KV) and merge_states, interpreter vs reference."""
+
+import numpy as np
+import pytest
+import torch
+
+import fmha
+from fmha import reference
+from fmha.numerics import max_abs_error
+
+from attn_testing import randn
+
+
+def np64(t):
+    return None if t is None else t.double().numpy()
+
+
+def paged_case(rng, *, batch=3, seqlen_q=2, nhead_q=4, nhead_k=2, head_dim=32, page_size=5,
+               pages_per_seq=6, dtype=torch.float32):
+    num_pages = batch * pages_per_seq + 3
+    q = randn((batch, seqlen_q, nhead_q, head_dim), dtype, rng)
+    k_cache = randn((num_pages, page_size, nhead_k, head_dim), dtype, rng)
+    v_cache = randn((num_pages, page_size, nhead_k, head_dim), dtype, rng)
+    block_table = torch.randperm(num_pages, generator=rng)[:batch * pages_per_seq]
+    return q, k_cache, v_cache, block_table.reshape(batch, pages_per_seq).int()
+
+
+def check(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens, tol=1e-4, **kw):
+    kc, vc = k_cache.clone(), v_cache.clone()
+    o, lse = fmha.attention_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=cache_seqlens,
+                                         return_lse=True, **kw)
+    ref_kw = {key: kw[key] for key in ("block_table", "cache_batch_idx", "rotary_interleaved", "causal",
+                                       "window", "mask_align", "sink_size", "softcap", "scale") if key in kw}
+    for key in ("rotary_cos", "rotary_sin", "alibi_slopes", "sinks"):
+        if kw.get(key) is not None:
+            ref_kw[key] = np64(kw[key])
+    for key in ("block_table", "cache_batch_idx"):
+        if ref_kw.get(key) is not None:
+            ref_kw[key] = ref_kw[key].numpy()
+    ro, rl, rk, rv = reference.attention_with_kvcache(
+        np64(q), np64(k_cache), np64(v_cache), k=np64(k), v=np64(v),
+        cache_seqlens=cache_seqlens.numpy(), **ref_kw)
+    assert not torch.isnan(o).any()
+    assert max_abs_error(o, torch.from_numpy(ro)) < tol
+    assert max_abs_error(lse, torch.from_numpy(rl)) < tol
+    assert max_abs_error(kc, torch.from_numpy(rk)) < tol and max_abs_error(vc, torch.from_numpy(rv)) < tol
+    return o
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 0])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_paged_append_with_rotary_and_splits(rng, num_splits, interleaved):
+    q, kc, vc, bt = paged_case(rng)
+    k, v = randn((3, 2, 2, 32), torch.float32, rng), randn((3, 2, 2, 32), torch.float32, rng)
+    cos, sin = randn((64, 12), torch.float32, rng), randn((64, 12), torch.float32, rng)
+    check(q, kc, vc, k=k, v=v, cache_seqlens=torch.tensor([3, 27, 0], dtype=torch.int32), block_table=bt,
+          rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, causal=True, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_any_page_size(rng, page_size):
+    pages = -(-40 // page_size)
+    q, kc, vc, bt = paged_case(rng, page_size=page_size, pages_per_seq=pages, seqlen_q=1)
+    check(q, kc, vc, cache_seqlens=torch.tensor([40, 1, 23], dtype=torch.int32), block_table=bt,
+          num_splits=3)
+
+
+def test_contiguous_cache_with_batch_index_and_decode_features(rng):
+    q = randn((2, 3, 8, 32), torch.float16, rng)
+    kc, vc = randn((4, 50, 2, 32), torch.float16, rng), randn((4, 50, 2, 32), torch.float16, rng)
+    k, v = randn((2, 3, 2, 32), torch.float16, rng), randn((2, 3, 2, 32), torch.float16, rng)
+    check(q, kc, vc, k=k, v=v, cache_seqlens=torch.tensor([10, 44], dtype=torch.int32),
+          cache_batch_idx=torch.tensor([3, 1], dtype=torch.int32), window=(8, 0), sink_size=2,
+          softcap=5.0, alibi_slopes=torch.rand(8, generator=rng) * 0.2,
+          sinks=randn((8,), torch.float32, rng), num_splits=4, tol=3e-3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_sink_logits_are_counted_once_across_splits(rng, num_splits):
+    q, kc, vc, bt = paged_case(rng, seqlen_q=1)
+    check(q, kc, vc, cache_seqlens=torch.tensor([30, 12, 5], dtype=torch.int32), block_table=bt,
+          sinks=randn((4,), torch.float32, rng), num_splits=num_splits)
+
+
+def test_empty_cache_rows_give_zero_output(rng):
+    q, kc, vc, bt = paged_case(rng, seqlen_q=1)
+    o = check(q, kc, vc, cache_seqlens=torch.tensor([0, 12, 0], dtype=torch.int32), block_table=bt,
+              num_splits=2)
+    assert torch.all(o[0] == 0) and torch.all(o[2] == 0)
+
+
+def test_merge_states_matches_reference_and_handles_empty_parts(rng):
+    outs = [randn((2, 3, 16), torch.float32, rng) for _ in range(3)]
+    lses = [randn((2, 3), torch.float32, rng) for _ in range(3)]
+    lses[1][0, 0] = float("-inf")
+    for lse in lses:
+        lse[1, 2] = float("-inf")
+    o, lse = fmha.merge_states(outs, lses)
+    ro, rl = reference.merge_states([np64(x) for x in outs], [np64(x) for x in lses])
+    assert max_abs_error(o, torch.from_numpy(np.asarray(ro))) < 1e-6
+    assert max_abs_error(lse, torch.from_numpy(np.asarray(rl))) < 1e-6
+    assert torch.all(o[1, 2] == 0) and torch.isneginf(lse[1, 2])
+
+
+def test_split_attention_merged_equals_full_attention(rng):
+    q, k, v = (randn((1, 2, 20, 16), torch.float32, rng) for _ in range(3))
+    k2, v2 = randn((1, 2, 15, 16), torch.float32, rng), randn((1, 2, 15, 16), torch.float32, rng)
+    o1, l1 = fmha.attention(q, k, v, return_lse=True)
+    o2, l2 = fmha.attention(q, k2, v2, return_lse=True)
+    o, lse = fmha.merge_states([o1, o2], [l1, l2])
+    full_o, full_lse = fmha.attention(q, torch.cat([k, k2], 2), torch.cat([v, v2], 2), return_lse=True)
+    assert max_abs_error(o, full_o) < 1e-5 and max_abs_error(lse, full_lse) < 1e-5
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(block_table=torch.zeros(3, 6, dtype=torch.int64)), "block_table.dtype"),
+    (dict(cache_seqlens=torch.tensor([3, 40, 0], dtype=torch.int32)), "exceeds the cache capacity"),
+    (dict(rotary_cos=torch.ones(8, 4), rotary_sin=torch.ones(8, 4)), "pass k and v"),
+    (dict(num_splits=200), "num_splits=200"),
+    (dict(block_table=torch.full((3, 6), 99, dtype=torch.int32)), "outside the page pool"),
+])
+def test_bad_kvcache_input_names_the_argument(rng, bad, message):
+    q, kc, vc, bt = paged_case(rng)
+    kw = dict(cache_seqlens=torch.tensor([3, 27, 0], dtype=torch.int32), block_table=bt)
+    kw.update(bad)
+    with pytest.raises((ValueError, TypeError), match=message):
+        fmha.attention_with_kvcache(q, kc, vc, **kw)
