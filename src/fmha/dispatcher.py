@@ -93,7 +93,8 @@ class Dispatcher:
     def num_splits(problem: Problem, sm_count: int, block_m: int, block_n: int) -> int:
         """Split-KV heuristic (flash-decoding): enough programs to fill the multiprocessors
         twice, each split keeping at least 4 key tiles, at most 128 splits."""
-        programs = problem.batch * problem.nhead_q * -(-problem.seqlen_q // block_m)
+        group = problem.nhead_q // problem.nhead_k  # query heads packed into one tile
+        programs = problem.batch * problem.nhead_k * -(-(problem.seqlen_q * group) // block_m)
         if programs >= sm_count:
             return 1
         by_occupancy = -(-2 * sm_count // programs)

@@ -48,15 +48,19 @@ def splitkv_kernel(
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    num_m = tl.cdiv(seqlen_q, BLOCK_M)
+    # GQA packing: the query rows of all `group_size` heads that share one KV head form
+    # the tile's M dimension (row r = query i * group_size + head g), so each KV head's
+    # keys and values are read once per query block, not once per query head.
+    packed = seqlen_q * group_size
+    num_m = tl.cdiv(packed, BLOCK_M)
+    nheads_k = nheads_q // group_size
     pid = tl.program_id(0)
     pid_m = pid % num_m
     rest = pid // num_m
-    bh = rest % (batch * nheads_q)
-    split = rest // (batch * nheads_q)
-    b = bh // nheads_q
-    h = bh % nheads_q
-    hk = h // group_size
+    bhk = rest % (batch * nheads_k)
+    split = rest // (batch * nheads_k)
+    b = bhk // nheads_k
+    hk = bhk % nheads_k
     len_q = seqlen_q
     len_k = tl.load(SeqlensK + b)
     b_row = b
@@ -65,24 +69,27 @@ def splitkv_kernel(
     diag_offset = 0
     if ALIGN_BOTTOM_RIGHT:
         diag_offset = len_k - len_q
-    m_lo = pid_m * BLOCK_M
-    rows = m_lo + tl.arange(0, BLOCK_M)
-    row_ok = rows < len_q
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = r // group_size  # query index of each packed row
+    h = hk * group_size + r % group_size
+    row_ok = r < packed
     offs_dq = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     b64 = b.to(tl.int64)
-    q = tl.load(Q + b64 * stride_qb + rows[:, None] * stride_qm + h * stride_qh + offs_dq[None, :],
+    q = tl.load(Q + b64 * stride_qb + rows[:, None] * stride_qm + h[:, None] * stride_qh + offs_dq[None, :],
                 mask=row_ok[:, None] & (offs_dq[None, :] < head_dim_qk), other=0.0)
-    alibi_slope = 0.0
+    alibi_slope = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
     if HAS_ALIBI:
-        alibi_slope = tl.load(Alibi + b * stride_alibib + h * stride_alibih)
+        alibi_slope = tl.load(Alibi + b * stride_alibib + h * stride_alibih, mask=row_ok, other=0.0)[:, None]
 
     # Keys of this split: block-aligned slices of [0, len_k).
     chunk = tl.cdiv(tl.cdiv(len_k, num_splits), BLOCK_N) * BLOCK_N
     s_lo = split * chunk
     s_hi = tl.minimum(s_lo + chunk, len_k)
-    lo, hi = key_range(m_lo, tl.minimum(m_lo + BLOCK_M, len_q), len_k, diag_offset, window_left,
-                       window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    m_lo = (pid_m * BLOCK_M) // group_size
+    m_hi = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, packed) - 1) // group_size + 1
+    lo, hi = key_range(m_lo, m_hi, len_k, diag_offset, window_left, window_right,
+                       HAS_LEFT, HAS_RIGHT, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -120,7 +127,7 @@ def splitkv_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
     if HAS_SINKS and not SPLIT:  # with splits the combine adds the sink once
-        sink = tl.load(Sinks + h) * LOG2E
+        sink = tl.load(Sinks + h, mask=row_ok, other=float("-inf")) * LOG2E
         m_fin = tl.maximum(m_i, sink)
         m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
         alpha = tl.math.exp2(m_i - m_fin)
@@ -132,7 +139,7 @@ def splitkv_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     split64 = split.to(tl.int64)
-    tl.store(O + split64 * stride_os + b64 * stride_ob + rows[:, None] * stride_om + h * stride_oh
+    tl.store(O + split64 * stride_os + b64 * stride_ob + rows[:, None] * stride_om + h[:, None] * stride_oh
              + offs_dv[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < head_dim_v))
     tl.store(LSE + split64 * stride_ls + b64 * stride_lb + h * stride_lh + rows * stride_lm, lse, mask=row_ok)
@@ -270,7 +277,7 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table=None
                      alibi_slopes.stride(1)) if alibi_slopes is not None else (0, 0)
     dummy = seqlens_k
     left, right = window
-    grid = (triton.cdiv(seqlen_q, block_m) * batch * nheads_q * num_splits,)
+    grid = (triton.cdiv(seqlen_q * (nheads_q // nheads_k), block_m) * batch * nheads_k * num_splits,)
     if grid[0] == 0:
         return
     splitkv_kernel[grid](
