@@ -15,9 +15,9 @@ from .api import (
     problem_of,
     set_dispatcher,
 )
-from .kvcache import attention_with_kvcache, merge_states
 from .configs import Algorithm, ConfigError, Family, KernelConfig, Pipeline, Signature
 from .dispatcher import Dispatcher, NoKernelError, Plan
+from .kvcache import attention_with_kvcache, merge_states
 from .problem import DType, Feature, MaskAlign, Problem
 from .registry import Registry, default_registry
 from .validation import set_debug

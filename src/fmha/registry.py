@@ -12,7 +12,17 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .configs import CPU, CUDA_ARCHS, DENSE_FEATURES, KVCACHE_FEATURES, Algorithm, ConfigError, Family, KernelConfig, Signature
+from .configs import (
+    CPU,
+    CUDA_ARCHS,
+    DENSE_FEATURES,
+    KVCACHE_FEATURES,
+    Algorithm,
+    ConfigError,
+    Family,
+    KernelConfig,
+    Signature,
+)
 from .problem import DType, Feature
 
 FORMAT_VERSION = 1
