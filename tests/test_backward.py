@@ -116,7 +116,7 @@ def test_gradcheck_in_fp64_through_the_interpreter():
     bias = torch.randn(1, 2, 9, 12, dtype=torch.float64, generator=g, requires_grad=True)
     sinks = torch.randn(2, dtype=torch.float64, generator=g, requires_grad=True)
     for deterministic in (False, True):
-        def f(q, k, v, bias, sinks):
+        def f(q, k, v, bias, sinks, deterministic=deterministic):
             return fmha.attention(q, k, v, causal=True, softcap=2.0, bias=bias, sinks=sinks,
                                   window=(5, 0), sink_size=1, return_lse=True,
                                   deterministic=deterministic)

@@ -25,7 +25,8 @@ from .validation import set_debug
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "attention_varlen", "attention_with_kvcache", "merge_states", "explain", "problem_of", "get_dispatcher", "set_dispatcher",
+    "attention", "attention_varlen", "attention_with_kvcache", "merge_states", "explain", "problem_of",
+    "get_dispatcher", "set_dispatcher",
     "set_debug", "Algorithm", "ConfigError", "Family", "KernelConfig", "Pipeline", "Signature",
     "Dispatcher", "NoKernelError", "Plan", "DType", "Feature", "MaskAlign", "Problem", "Registry",
     "default_registry", "__version__",
