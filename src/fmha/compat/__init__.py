@@ -1,0 +1,1 @@
+"""Drop-in signatures of other attention libraries, backed by fmha's kernels."""
