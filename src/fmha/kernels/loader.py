@@ -12,6 +12,9 @@ Two small patches to Triton 3.6's interpreter, applied when the copy is first ma
 - Triton's own library functions (`tl.zeros`, `tl.max`, `tl.philox`, ...) were decorated
   compiled, and a compiled `JITFunction` refuses to be called from Python;
   `_patch_jit_calls` runs them interpreted while an interpreted grid is executing.
+  The same wrapper undoes what the interpreter leaves patched in `triton.language` after
+  a run (nested interpreted calls patch it and never restore it), so CUDA kernels still
+  compile in a process that ran CPU tensors first.
 """
 
 from __future__ import annotations
@@ -82,15 +85,43 @@ def _patch_jit_calls() -> None:
         return fn(*args, **kwargs)
 
     def run_grid(self, *args, **kwargs):
-        _interpreting.depth = getattr(_interpreting, "depth", 0) + 1
+        depth = getattr(_interpreting, "depth", 0)
+        saved = _language_state() if depth == 0 else None
+        _interpreting.depth = depth + 1
         try:
             return grid_call(self, *args, **kwargs)
         finally:
             _interpreting.depth -= 1
+            if saved is not None:
+                _restore_language_state(saved)
 
     jit_call._fmha_patched = True
     jit.JITFunction.__call__ = jit_call
     interpreter.GridExecutor.__call__ = run_grid
+
+
+def _language_objects() -> list:
+    import triton.language as tl
+
+    return [tl, tl.core, tl.math, tl.standard, tl.tensor, tl.dtype, tl.core.tensor_descriptor_base]
+
+
+def _language_state() -> list[tuple[object, dict]]:
+    return [(obj, dict(vars(obj))) for obj in _language_objects()]
+
+
+def _restore_language_state(saved: list[tuple[object, dict]]) -> None:
+    """Put back every attribute of triton.language that an interpreted run changed."""
+    for obj, before in saved:
+        now = vars(obj)
+        for name in [n for n in now if n not in before]:
+            delattr(obj, name)
+        for name, value in before.items():
+            if now.get(name, _MISSING) is not value:
+                setattr(obj, name, value)
+
+
+_MISSING = object()
 
 
 def _interpreted_package() -> str:
