@@ -111,11 +111,16 @@ def _language_state() -> list[tuple[object, dict]]:
 
 
 def _restore_language_state(saved: list[tuple[object, dict]]) -> None:
-    """Put back every attribute of triton.language that an interpreted run changed."""
+    """Put back every attribute of triton.language that an interpreted run changed.
+
+    Names the run added stay on modules: the interpreter also copies its own globals into
+    the modules of the functions it rewrites, and its cached rewrites refer to them.
+    """
     for obj, before in saved:
         now = vars(obj)
-        for name in [n for n in now if n not in before]:
-            delattr(obj, name)
+        if isinstance(obj, type):
+            for name in [n for n in now if n not in before]:
+                delattr(obj, name)
         for name, value in before.items():
             if now.get(name, _MISSING) is not value:
                 setattr(obj, name, value)

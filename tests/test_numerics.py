@@ -1,0 +1,55 @@
+"""The validation machinery itself: the float64 torch truth and the 2x rule can fail."""
+
+import numpy as np
+import pytest
+import torch
+from attn_testing import randn
+
+from fmha import numerics, reference
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(causal=True), dict(causal=True, mask_align="top_left"), dict(window=(4, 2), sink_size=2),
+    dict(softcap=3.0), dict(scale=0.7), dict(alibi=True), dict(bias=True), dict(sinks=True), dict(dropout=True),
+])
+def test_torch_float64_truth_matches_the_numpy_reference(rng, kw):
+    B, Hq, Hk, Sq, Sk = 2, 4, 2, 9, 13
+    q, k, v = randn((B, Hq, Sq, 8), torch.float64, rng), randn((B, Hk, Sk, 8), torch.float64, rng), \
+        randn((B, Hk, Sk, 8), torch.float64, rng)
+    kw = dict(kw)
+    extra = {}
+    if kw.pop("alibi", False):
+        extra["alibi_slopes"] = torch.rand(B, Hq, generator=rng, dtype=torch.float64)
+    if kw.pop("bias", False):
+        extra["bias"] = randn((1, Hq, Sq, Sk), torch.float64, rng)
+    if kw.pop("sinks", False):
+        extra["sinks"] = randn((Hq,), torch.float64, rng)
+    if kw.pop("dropout", False):
+        extra["dropout_p"] = 0.3
+        extra["dropout_mask"] = torch.rand(B, Hq, Sq, Sk, generator=rng) > 0.3
+    o, lse = numerics.torch_attention(q, k, v, compute_dtype=torch.float64, **kw, **extra)
+    np_extra = {key: (val.numpy() if isinstance(val, torch.Tensor) else val) for key, val in extra.items()}
+    ref_o, ref_lse = reference.attention_fwd(q.numpy(), k.numpy(), v.numpy(), **kw, **np_extra)
+    assert np.allclose(o.numpy(), ref_o, atol=1e-12)
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(finite, np.isfinite(lse.numpy()))
+    assert np.allclose(lse.numpy()[finite], ref_lse[finite], atol=1e-12)
+
+
+def test_compare_fails_on_a_wrong_output_and_passes_the_baseline(rng):
+    truth = randn((64, 64), torch.float64, rng)
+    baseline = truth.to(torch.bfloat16).double()
+    assert numerics.compare("o", baseline, truth, baseline, torch.bfloat16).ok
+    wrong = baseline.clone()
+    wrong[3, 5] += 0.1
+    c = numerics.compare("o", wrong, truth, baseline, torch.bfloat16)
+    assert not c.ok and "FAIL" in str(c)
+    nan = baseline.clone()
+    nan[0, 0] = float("nan")
+    assert not numerics.compare("o", nan, truth, baseline, torch.bfloat16).ok
+
+
+def test_rounding_slack_scales_with_dtype(rng):
+    truth = randn((256,), torch.float64, rng)
+    assert numerics.rounding_slack(truth, torch.bfloat16) > numerics.rounding_slack(truth, torch.float16) > 0
+    assert numerics.rounding_slack(truth, torch.float32) < 1e-6
