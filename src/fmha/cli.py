@@ -1,16 +1,19 @@
-"""The `fmha` command line: run, info, kernels (list/explain/export/import), bench.
+"""The `fmha` command line: run, numerics, info, kernels (list/explain/build/export/import), bench.
 
     fmha run -b 2 --nhead-q 8 --seqlen-q 1024 --hdim-q 128 --dtype bf16 --causal
     fmha run --demo
+    fmha numerics --causal --device cpu
     fmha info
     fmha kernels list --arch sm90
     fmha kernels explain --seqlen-q 4096 --hdim-q 128 --dtype bf16 --arch sm90
+    fmha kernels build --arch sm90 --jobs 8
     fmha kernels export registry.json ; fmha kernels import registry.json
     fmha bench --suite quick --json bench.json
 
-Exit codes: 0 success; 1 a validation failed (`run`) or no kernel fits (`kernels explain`);
-2 bad arguments, an error from fmha ("error: ..." on stderr, no traceback), a refused
-registry file, or `bench` without a GPU.
+Exit codes: 0 success; 1 a validation failed (`run`), a check of the study failed
+(`numerics`), no kernel fits (`kernels explain`) or a config failed to build (`kernels
+build`); 2 bad arguments, an error from fmha ("error: ..." on stderr, no traceback), a
+refused registry file, or `bench` without a GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import bench, numerics, reference
+from . import bench, numerics, numerics_study, precompile, reference
 from .api import attention, get_dispatcher, problem_of
 from .configs import CPU, CUDA_ARCHS, ConfigError, Family, KernelConfig
 from .dispatcher import Dispatcher, NoKernelError
@@ -381,15 +384,7 @@ def current_arch() -> str:
 
 
 def _triton_cache_dir() -> str:
-    try:
-        import triton
-
-        directory = triton.knobs.cache.dir
-        if directory:
-            return str(directory)
-    except Exception:  # older or newer Triton without knobs.cache.dir
-        pass
-    return os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return precompile.triton_cache_dir()
 
 
 def info() -> dict[str, Any]:
@@ -528,6 +523,64 @@ def _cmd_kernels_import(args: argparse.Namespace, console: Any) -> int:
 
 
 # ----------------------------------------------------------------------------------------
+# `fmha numerics`.
+
+
+def _cmd_numerics(args: argparse.Namespace, console: Any) -> int:
+    result = numerics_study.run_study(
+        batch=args.batch, nhead_q=args.nhead_q, nhead_k=args.nhead_k, seqlen_q=args.seqlen_q,
+        seqlen_k=args.seqlen_k, hdim_q=args.hdim_q, hdim_v=args.hdim_v, causal=args.causal,
+        device=args.device, seed=args.seed)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for table in numerics_study.render(result):
+            console.print(table)
+    return 0 if result["ok"] else 1
+
+
+# ----------------------------------------------------------------------------------------
+# `fmha kernels build`.
+
+
+def _cmd_kernels_build(args: argparse.Namespace, console: Any) -> int:
+    registry = _registry(args)
+    arch = args.arch or precompile.current_arch()
+    results = precompile.build(registry, arch, families=args.family, dtypes=args.dtype, jobs=args.jobs,
+                               progress=not args.no_progress and not args.json, record_path=args.record,
+                               timeout=args.timeout)
+    counts = {status: sum(r.status == status for r in results)
+              for status in ("built", "cached", "failed", "skipped")}
+    ok = counts["failed"] == 0
+    if args.json:
+        print(json.dumps({"ok": ok, "arch": arch, "counts": counts,
+                          "record": str(args.record or precompile.default_record_path()),
+                          "results": [r.to_dict() for r in results]}, indent=2))
+        return 0 if ok else 1
+    from rich.table import Table
+
+    limit = results[0].shared_limit if results else precompile.shared_memory_limit(arch)
+    table = Table(title=f"fmha kernels build: registry {registry.name!r} for {arch} "
+                        f"(shared memory limit {limit} bytes)", title_justify="left")
+    table.add_column("config", no_wrap=True)
+    table.add_column("dtype")
+    table.add_column("status")
+    table.add_column("shared (bytes)", justify="right")
+    table.add_column("compile s", justify="right")
+    table.add_column("message", overflow="fold")
+    styles = {"built": "green", "cached": None, "failed": "red", "skipped": "yellow"}
+    for r in results:
+        shared = "-" if r.shared is None else str(r.shared)
+        seconds = "-" if r.status in ("cached", "skipped") else f"{r.seconds:.1f}"
+        message = r.message.split(": ", 1)[-1] if r.status == "skipped" else r.message
+        table.add_row(r.config, r.dtype, r.status, shared, seconds, message, style=styles[r.status])
+    console.print(table)
+    console.print(", ".join(f"{n} {status}" for status, n in counts.items()) +
+                  f"; record: {args.record or precompile.default_record_path()}", soft_wrap=True)
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------------------
 # The parser and main.
 
 
@@ -553,11 +606,43 @@ def build_parser() -> argparse.ArgumentParser:
                    "problem flags are ignored")
     p.set_defaults(func=_cmd_run)
 
+    p = sub.add_parser("numerics", help="fp16 vs bf16 study: input quantization, CK's tolerance check of "
+                       "o/dq/dk/dv, fp16 vs bf16",
+                       description="The study of CK's bf16 backward example. On float64 random normal "
+                       "Q, K, V, dO: (a) the error of rounding them to fp16 and bf16; (b) fmha.attention "
+                       "forward + backward in each dtype against fmha.reference in float64 on the rounded "
+                       "inputs, checked as CK does (allclose with rtol = atol = 1.6e-2 for fp16, 2.0e-2 for "
+                       "bf16, 3.2e-2 for bf16 above head dim 128: |x - ref| <= atol + rtol * |ref| for every "
+                       "element of o, dq, dk, dv); (c) fp16 vs bf16. Exit code 1 if any check fails.")
+    g = p.add_argument_group("problem")
+    cpu, cuda = numerics_study.STUDY_DEFAULTS["cpu"], numerics_study.STUDY_DEFAULTS["cuda"]
+
+    def study_default(key: str) -> str:
+        return f"(default {cpu[key]} on the CPU, {cuda[key]} on CUDA)"
+
+    g.add_argument("-b", "--batch", type=_int_at_least(1), default=None,
+                   help=f"batch {study_default('batch')}")
+    g.add_argument("--nhead-q", type=_int_at_least(1), default=None,
+                   help=f"query heads {study_default('nhead_q')}")
+    g.add_argument("--nhead-k", type=_int_at_least(1), default=None, help="key/value heads (default nhead-q)")
+    g.add_argument("--seqlen-q", type=_int_at_least(0), default=None,
+                   help=f"query length {study_default('seqlen_q')}")
+    g.add_argument("--seqlen-k", type=_int_at_least(0), default=None, help="key length (default seqlen-q)")
+    g.add_argument("--hdim-q", type=_int_at_least(1), default=None,
+                   help=f"q/k head dim {study_default('hdim_q')}")
+    g.add_argument("--hdim-v", type=_int_at_least(1), default=None, help="v head dim (default hdim-q)")
+    g.add_argument("--causal", action="store_true", help="causal mask (bottom-right)")
+    g.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of the random normal inputs")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where fmha runs (cuda: the compiled kernels; cpu: Triton's interpreter)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_numerics)
+
     p = sub.add_parser("info", help="device, arch, versions, Triton cache directory")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("kernels", help="the kernel registry: list, explain, export, import")
+    p = sub.add_parser("kernels", help="the kernel registry: list, explain, build, export, import")
     ks = p.add_subparsers(dest="kernels_command", required=True, metavar="ACTION")
     k = ks.add_parser("list", help="the registry's configs")
     k.add_argument("--arch", default=None, help="only configs for this arch (sm90, cpu, ...)")
@@ -573,6 +658,29 @@ def build_parser() -> argparse.ArgumentParser:
                    "cpu without CUDA)")
     k.add_argument("--registry", metavar="FILE", default=None, help="a registry JSON instead of the default")
     k.set_defaults(func=_cmd_kernels_explain)
+    k = ks.add_parser("build", help="compile the registry's kernels for a CUDA arch, in parallel",
+                      description="Compile every config that runs on the arch, for each dtype of its "
+                                  "signature, plain and causal (no GPU needed: Triton ships ptxas). Configs "
+                                  "already in the build record are reported cached. A kernel that needs more "
+                                  "shared memory than the arch allows is reported failed. Exit code 1 if "
+                                  "any config fails.")
+    k.add_argument("--arch", default=None, help=f"CUDA arch to build for (default: the current device's, "
+                   f"{precompile.DEFAULT_ARCH} without CUDA)")
+    k.add_argument("--family", action="append", choices=[f.value for f in Family], default=None,
+                   help="only this family (repeat for several)")
+    k.add_argument("--dtype", action="append", choices=[d.value for d in DType], default=None,
+                   help="only this dtype (repeat for several)")
+    k.add_argument("--jobs", "-j", type=_int_at_least(1), default=None,
+                   help=f"parallel compiler processes (default: the number of CPUs, {os.cpu_count()})")
+    k.add_argument("--registry", metavar="FILE", default=None, help="a registry JSON instead of the default")
+    k.add_argument("--record", metavar="FILE", default=None,
+                   help=f"the build record (default: {precompile.RECORD_NAME} in Triton's cache dir)")
+    k.add_argument("--timeout", type=_nonneg_float, default=None, metavar="S",
+                   help="seconds one kernel may take to compile before it is killed and reported failed "
+                        "(default: no limit)")
+    k.add_argument("--no-progress", action="store_true", help="no progress bar")
+    k.add_argument("--json", action="store_true", help="machine-readable output")
+    k.set_defaults(func=_cmd_kernels_build)
     k = ks.add_parser("export", help="write the registry as JSON")
     k.add_argument("file", metavar="FILE")
     k.set_defaults(func=_cmd_kernels_export)
