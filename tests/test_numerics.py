@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 import torch
-from attn_testing import randn
 
 from fmha import numerics, reference
+
+from attn_testing import randn
 
 
 @pytest.mark.parametrize("kw", [

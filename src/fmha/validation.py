@@ -10,6 +10,7 @@ stalls the GPU and cannot happen during CUDA-graph capture.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import torch
@@ -38,6 +39,18 @@ def check_tensor(name: str, t, ndim: int) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if ndim >= 3 and t.shape[-1] == 0:  # q, k, v: the last dimension is the head dim
+        raise ValueError(f"{name} has head dim 0 (shape {tuple(t.shape)}); accepted: 1..256")
+    if ndim <= 2 and not (t.is_floating_point() or t.is_complex()):
+        check_unit_stride(name, t)  # index tensors: cu_seqlens, seqused_k, block_table, ...
+
+
+def check_unit_stride(name: str, t: torch.Tensor) -> None:
+    """Tensors the kernels index as `ptr + i` along their last dimension (index tensors,
+    sinks) need stride 1 there; a strided view would be read wrongly (or out of bounds)."""
+    if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dimension; got strides "
+                         f"{t.stride()} for shape {tuple(t.shape)}; pass {name}.contiguous()")
 
 
 def check_dtype(name: str, t: torch.Tensor) -> DType:
@@ -90,13 +103,20 @@ def check_heads(nhead_q: int, nhead_k: int, nhead_v: int) -> None:
         raise ValueError(f"nhead_q={nhead_q} is not a multiple of nhead_k={nhead_k}")
 
 
+def _is_real(x) -> bool:
+    """A Python or numpy real number (not a bool, not a tensor)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def check_scalars(*, scale, softcap, window, sink_size, dropout_p, causal) -> tuple[int, int]:
-    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
-        raise ValueError(f"scale={scale!r} must be a finite number (or None for 1/sqrt(head_dim))")
-    if not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap={softcap!r} must be a finite number >= 0 (0 disables it)")
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p={dropout_p!r} must be in [0, 1)")
+    if scale is not None and (not _is_real(scale) or not math.isfinite(scale)):
+        given = "" if _is_real(scale) else f" (got a {type(scale).__name__})"
+        raise ValueError(f"scale={scale!r} must be a finite real number, or None for "
+                         f"1/sqrt(head_dim){given}")
+    if not _is_real(softcap) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap={softcap!r} must be a finite real number >= 0 (0 disables it)")
+    if not _is_real(dropout_p) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p!r} must be a real number in [0, 1)")
     if not isinstance(sink_size, int) or isinstance(sink_size, bool) or sink_size < 0:
         raise ValueError(f"sink_size={sink_size!r} must be an int >= 0")
     if not isinstance(causal, bool):
@@ -159,6 +179,7 @@ def check_sinks(sinks, nhead_q: int, device, dtype: torch.dtype) -> torch.Tensor
         raise ValueError(f"sinks is on {sinks.device} but q is on {device}")
     if tuple(sinks.shape) != (nhead_q,):
         raise ValueError(f"sinks has shape {tuple(sinks.shape)}; accepted: ({nhead_q},)")
+    check_unit_stride("sinks", sinks)
     return sinks
 
 
