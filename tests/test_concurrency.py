@@ -154,10 +154,6 @@ _THREADED_ATTENTION = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="interpreted kernels are not thread-safe: Triton's interpreter keeps the "
-                          "grid index and its tl.* patches in process-wide state, and fmha's loader "
-                          "does not serialize interpreted launches")
 def test_attention_from_threads_equals_serial():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))

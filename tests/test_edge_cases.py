@@ -216,13 +216,6 @@ def test_huge_logits_do_not_overflow(rng, dtype):
     assert lse.abs().max() > 100  # the logits really are huge
 
 
-_BF16_TRUNCATION = ("Triton 3.6's interpreter converts fp32 to bf16 by truncation (round toward "
-                    "zero), not round-to-nearest-even as the GPU and torch do; fmha's loader "
-                    "patches bf16 tl.dot but not this cast, so on the CPU path P (before the PV "
-                    "product) and O are truncated")
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_BF16_TRUNCATION)
 def test_bf16_output_is_rounded_to_nearest():
     # Three keys with equal logits: o = (1 + 1 + 0) / 3 = 0.6667 in fp32. Round to nearest
     # gives 0.66796875 (torch, the GPU); truncation gives 0.6640625.

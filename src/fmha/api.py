@@ -385,9 +385,35 @@ class _device_guard:
 # Public functions: scalar checks (plain Python, traceable), then one op call.
 
 
+def _check_call_types(q, k, v, optional: dict, strings: dict, ints: dict) -> None:
+    """Types and devices, before the op: torch's schema check would otherwise answer with a
+    RuntimeError, and a meta tensor among real ones would route the call to the fake."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in optional.items():
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    for name, t in [("k", k), ("v", v), *optional.items()]:
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all tensors must be on one device")
+    for name, value in strings.items():
+        if not isinstance(value, str):
+            raise TypeError(f"{name}={value!r} must be a str")
+    for name, value in ints.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} must be an int")
+
+
 def _call(q, k, v, *, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
           max_seqlen_q, max_seqlen_k, layout, scale, causal, window, mask_align, sink_size,
           softcap, dropout_p, seed, offset, deterministic, return_lse, return_dropout_mask):
+    _check_call_types(q, k, v, dict(bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
+                                    cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k),
+                      dict(layout=layout, mask_align=mask_align),
+                      dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k))
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic={deterministic!r} must be a bool")
     window_left, window_right = V.check_scalars(scale=scale, softcap=softcap, window=window,
                                                 sink_size=sink_size, dropout_p=dropout_p,
                                                 causal=causal)

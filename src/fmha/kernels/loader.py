@@ -9,12 +9,15 @@ the interpreter switched on. Its relative imports resolve inside the copy, so ne
 Two small patches to Triton 3.6's interpreter, applied when the copy is first made:
 - it multiplies the raw bit patterns of bf16 operands in `tl.dot`; `_patch_bf16_dot`
   widens them to fp32 first (exact), which is what the GPU's tensor cores compute;
+- it converts fp32 to bf16 by truncation; `_patch_bf16_rounding` rounds to nearest even,
+  as the GPU does;
 - Triton's own library functions (`tl.zeros`, `tl.max`, `tl.philox`, ...) were decorated
   compiled, and a compiled `JITFunction` refuses to be called from Python;
   `_patch_jit_calls` runs them interpreted while an interpreted grid is executing.
   The same wrapper undoes what the interpreter leaves patched in `triton.language` after
   a run (nested interpreted calls patch it and never restore it), so CUDA kernels still
-  compile in a process that ran CPU tensors first.
+  compile in a process that ran CPU tensors first. The interpreter's grid index and its
+  patches are process-wide, so interpreted launches are serialised by a lock.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 _PACKAGE_DIR = Path(__file__).parent
 _INTERPRETED_NAME = "_fmha_interpreted_kernels"
 _lock = threading.Lock()
+_run_lock = threading.RLock()  # one interpreted grid at a time: the interpreter's state is global
 
 
 def _check_numpy_for_interpreter() -> None:
@@ -40,6 +44,29 @@ def _check_numpy_for_interpreter() -> None:
             f"CPU tensors run through Triton's interpreter, which fails with numpy "
             f"{np.__version__}; install numpy<2.3 (pip install 'numpy<2.3') or use CUDA tensors"
         )
+
+
+def _patch_bf16_rounding() -> None:
+    from triton.runtime import interpreter
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.cast_impl, "_fmha_patched", False):
+        return
+    original = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = src.data.astype(np.float32).view(np.uint32)
+            rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            nan = np.isnan(src.data)
+            rounded = np.where(nan, np.uint32(0x7FC0), rounded)
+            return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
+        return original(self, src, dst_type)
+
+    cast_impl._fmha_patched = True
+    builder.cast_impl = cast_impl
+    builder.create_fp_trunc = lambda self, src, dst_type: self.cast_impl(src, dst_type)
 
 
 def _patch_bf16_dot() -> None:
@@ -86,13 +113,15 @@ def _patch_jit_calls() -> None:
 
     def run_grid(self, *args, **kwargs):
         depth = getattr(_interpreting, "depth", 0)
-        saved = _language_state() if depth == 0 else None
-        _interpreting.depth = depth + 1
-        try:
+        if depth:
             return grid_call(self, *args, **kwargs)
-        finally:
-            _interpreting.depth -= 1
-            if saved is not None:
+        with _run_lock:
+            saved = _language_state()
+            _interpreting.depth = 1
+            try:
+                return grid_call(self, *args, **kwargs)
+            finally:
+                _interpreting.depth = 0
                 _restore_language_state(saved)
 
     jit_call._fmha_patched = True
@@ -137,6 +166,7 @@ def _interpreted_package() -> str:
     import triton
 
     _patch_bf16_dot()
+    _patch_bf16_rounding()
     _patch_jit_calls()
     spec = importlib.util.spec_from_file_location(
         _INTERPRETED_NAME, _PACKAGE_DIR / "__init__.py",
