@@ -125,3 +125,10 @@ def test_bad_kvcache_input_names_the_argument(rng, bad, message):
     kw.update(bad)
     with pytest.raises((ValueError, TypeError), match=message):
         fmha.attention_with_kvcache(q, kc, vc, **kw)
+
+
+def test_sink_tokens_reach_queries_that_the_causal_window_hides(rng):
+    """Bottom-right causal with more queries than keys: the first rows see only sink tokens."""
+    q, kc, vc, bt = paged_case(rng, seqlen_q=20, pages_per_seq=2)
+    check(q, kc, vc, cache_seqlens=torch.tensor([3, 9, 1], dtype=torch.int32), block_table=bt,
+          causal=True, sink_size=2, num_splits=2)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, note, settings
+from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import fmha
@@ -131,20 +131,6 @@ def make_problem(case: Case):
     return q, k, v, kw
 
 
-def hits_sink_tile_bug(case: Case) -> bool:
-    """The known sink-token bug (test_edge_cases.py::test_sink_tokens_stay_visible_to_query_
-    tiles_left_of_the_window): sink tokens with a right window edge, bottom-right aligned, and
-    a first query tile of block_m rows that sees no key through the window."""
-    right = 0 if case.kw.get("causal") else case.kw.get("window", (-1, -1))[1]
-    if not case.kw.get("sink_size") or right < 0 or case.kw.get("mask_align") == "top_left":
-        return False
-    problem = fmha.Problem(batch=1, nhead_q=1, nhead_k=1, seqlen_q=case.seqlen_q,
-                           seqlen_k=case.seqlen_k, head_dim_qk=case.head_dim,
-                           head_dim_v=case.head_dim_v, dtype=DTYPES[case.dtype])
-    block_m = fmha.get_dispatcher().plan_forward(problem).config(fmha.Family.FWD).algorithm.block_m
-    return case.seqlen_q > block_m and block_m + case.seqlen_k + right <= case.seqlen_q
-
-
 def describe(case: Case, q, k, v) -> str:
     return (f"{case}\n  q {tuple(q.shape)} strides {q.stride()}, k {tuple(k.shape)} strides "
             f"{k.stride()}, v {tuple(v.shape)} strides {v.stride()}")
@@ -153,7 +139,6 @@ def describe(case: Case, q, k, v) -> str:
 @settings(max_examples=25, **SETTINGS)
 @given(case=cases())
 def test_forward_matches_reference(case):
-    assume(not hits_sink_tile_bug(case))
     q, k, v, kw = make_problem(case)
     note(describe(case, q, k, v))
     o, lse = check_attention(q, k, v, layout=case.layout, **kw)
@@ -168,7 +153,6 @@ def test_forward_matches_reference(case):
 @given(case=cases(max_seqlen=32, fp16_bias_and_sinks=False), with_dlse=st.booleans(),
        deterministic=st.booleans())
 def test_gradients_match_reference(case, with_dlse, deterministic):
-    assume(not hits_sink_tile_bug(case))
     q, k, v, kw = make_problem(case)
     note(describe(case, q, k, v) + f"\n  with_dlse={with_dlse} deterministic={deterministic}")
     torch.manual_seed(case.seed)  # check_backward draws dO (and dlse) from the global generator
@@ -178,19 +162,6 @@ def test_gradients_match_reference(case, with_dlse, deterministic):
     assert grads["dv"].shape == v.shape
     if case.bias is not None:
         assert grads["dbias"].shape == kw["bias"].shape
-
-
-def test_the_known_bug_filter_matches_the_bug():
-    """hits_sink_tile_bug flags the xfail's cases and not their neighbours."""
-    base = dict(batch=1, nhead_k=1, group=1, head_dim=8, head_dim_v=8, layout="bhsd",
-                dtype=torch.float32, strides={}, seed=0)
-    bug = dict(causal=True, mask_align="bottom_right", sink_size=1)
-    assert hits_sink_tile_bug(Case(seqlen_q=33, seqlen_k=1, kw=bug, **base))
-    assert not hits_sink_tile_bug(Case(seqlen_q=32, seqlen_k=1, kw=bug, **base))
-    assert not hits_sink_tile_bug(Case(seqlen_q=33, seqlen_k=2, kw=bug, **base))
-    assert not hits_sink_tile_bug(Case(seqlen_q=33, seqlen_k=1, kw={**bug, "sink_size": 0}, **base))
-    assert not hits_sink_tile_bug(Case(seqlen_q=33, seqlen_k=1, kw={**bug, "mask_align": "top_left"},
-                                       **base))
 
 
 def test_strided_tensors_really_are_strided():

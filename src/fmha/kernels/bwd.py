@@ -330,6 +330,15 @@ def dq_kernel(
                    dropout_p, seed, offset, bh,
                    HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
                    HAS_DROPOUT, DOT_PRECISION, BLOCK_N, BLOCK_DQK, BLOCK_DV)
+    if HAS_SINK_TOKENS:  # sink tokens right of the window's last block
+        main_end = lo + tl.cdiv(hi - lo, BLOCK_N) * BLOCK_N
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, bias_base, rows, main_end,
+                       tl.minimum(sink_size, len_k), len_q, len_k, diag_offset,
+                       stride_kn, stride_vn, stride_vd, stride_biasn, head_dim_qk, head_dim_v,
+                       scale, softcap, alibi_slope, window_left, window_right, sink_size,
+                       dropout_p, seed, offset, bh,
+                       HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
+                       HAS_DROPOUT, DOT_PRECISION, BLOCK_N, BLOCK_DQK, BLOCK_DV)
     dq = dq * scale
     tl.store(dQ + b64 * stride_dqb + h * stride_dqh + grow[:, None] * stride_dqm + offs_dq[None, :],
              dq.to(dQ.dtype.element_ty), mask=qmask)

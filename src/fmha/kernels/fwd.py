@@ -157,6 +157,17 @@ def fwd_kernel(
         HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
         HAS_DROPOUT, DOT_PRECISION, BLOCK_N, BLOCK_DQK, BLOCK_DV,
     )
+    if HAS_SINK_TOKENS:
+        # Sink tokens right of the window's last block (rows the window shows few or no keys).
+        main_end = lo + tl.cdiv(hi - lo, BLOCK_N) * BLOCK_N
+        acc, m_i, l_i = _fwd_inner(
+            acc, m_i, l_i, q, k_base, v_base, bias_base, rows, main_end, tl.minimum(sink_size, len_k),
+            len_q, len_k, diag_offset, stride_kn, stride_vn, stride_vd, stride_biasn,
+            head_dim_qk, head_dim_v, scale, softcap, alibi_slope,
+            window_left, window_right, sink_size, dropout_p, seed, offset, bh,
+            HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
+            HAS_DROPOUT, DOT_PRECISION, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+        )
 
     if HAS_SINKS:
         # The sink logit joins the denominator only (SPEC step 5).

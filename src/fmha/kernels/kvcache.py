@@ -93,16 +93,25 @@ def splitkv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # Two key ranges: sink tokens left of the window, then the window; each cut to the split.
-    for part in tl.static_range(2):
+    # Three key ranges, each cut to the split: sink tokens left of the window, the window,
+    # sink tokens right of the window's last block.
+    w_start = tl.maximum(lo, s_lo)
+    w_end = tl.minimum(hi, s_hi)
+    main_end = w_start + tl.cdiv(tl.maximum(w_end - w_start, 0), BLOCK_N) * BLOCK_N
+    for part in tl.static_range(3):
         if part == 0:
             start = s_lo
             end = s_lo
             if HAS_SINK_TOKENS:
                 end = tl.minimum(tl.minimum(sink_size, lo), s_hi)
+        elif part == 1:
+            start = w_start
+            end = w_end
         else:
-            start = tl.maximum(lo, s_lo)
-            end = tl.minimum(hi, s_hi)
+            start = main_end
+            end = main_end
+            if HAS_SINK_TOKENS:
+                end = tl.minimum(sink_size, s_hi)
         for n0 in range(start, end, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < len_k

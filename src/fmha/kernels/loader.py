@@ -47,8 +47,8 @@ def _check_numpy_for_interpreter() -> None:
 
 
 def _patch_bf16_rounding() -> None:
-    from triton.runtime import interpreter
     import triton.language as tl
+    from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
     if getattr(builder.cast_impl, "_fmha_patched", False):
