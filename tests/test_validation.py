@@ -555,3 +555,11 @@ def test_kvcache_index_tensors_must_be_contiguous(name):
     assert args[name].stride(-1) != 1
     rejected(lambda: fmha.attention_with_kvcache(q, cache, cache, **args), ValueError,
              f"{name} must be contiguous", str(args[name].stride()))
+
+
+def test_causal_with_a_right_window_edge_is_refused_not_overridden():
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match=r"causal=True fixes the window's right edge at 0 but window=\(3, 2\)"):
+        fmha.attention(q, q, q, causal=True, window=(3, 2))
+    assert fmha.validation.check_scalars(scale=None, softcap=0.0, window=(3, 0), sink_size=0, dropout_p=0.0,
+                                         causal=True) == (3, 0)

@@ -128,6 +128,9 @@ def check_scalars(*, scale, softcap, window, sink_size, dropout_p, causal) -> tu
     for side, value in (("left", left), ("right", right)):
         if not isinstance(value, int) or isinstance(value, bool) or value < -1:
             raise ValueError(f"window {side}={value!r} must be an int >= -1 (-1: unbounded)")
+    if causal and right > 0:
+        raise ValueError(f"causal=True fixes the window's right edge at 0 but window={tuple(window)!r} "
+                         f"asks for {right}; pass window=({left}, 0), or causal=False with the window")
     return (left, 0) if causal else (left, right)
 
 

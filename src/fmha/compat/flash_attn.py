@@ -17,6 +17,12 @@ from .. import api, kvcache
 Tensor = torch.Tensor
 
 
+def _window(window_size, causal: bool) -> tuple[int, int]:
+    # flash_attn sets the right edge to 0 under causal=True whatever window_size says.
+    left, right = window_size
+    return (left, 0) if causal else (left, right)
+
+
 def _finish(result, return_attn_probs: bool, dropout_p: float):
     if not return_attn_probs:
         return result[0]
@@ -30,7 +36,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
                     return_attn_probs: bool = False):
     """q (B, Sq, Hq, D), k/v (B, Sk, Hk, D) -> out (B, Sq, Hq, Dv) [, lse (B, Hq, Sq), S_dmask]."""
     result = api.attention(q, k, v, layout="bshd", scale=softmax_scale, causal=causal,
-                           window=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes,
+                           window=_window(window_size, causal), softcap=softcap, alibi_slopes=alibi_slopes,
                            dropout_p=dropout_p, deterministic=deterministic, return_lse=True,
                            return_dropout_mask=return_attn_probs and dropout_p > 0)
     return _finish(result, return_attn_probs, dropout_p)
@@ -67,7 +73,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         raise NotImplementedError("flash_attn_varlen_func(block_table=...): varlen queries against a paged "
                                   "cache (batch prefill) are not implemented yet")
     result = api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  scale=softmax_scale, causal=causal, window=tuple(window_size),
+                                  scale=softmax_scale, causal=causal, window=_window(window_size, causal),
                                   softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                                   deterministic=deterministic, return_lse=True,
                                   return_dropout_mask=return_attn_probs and dropout_p > 0)
@@ -91,5 +97,5 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
         cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_interleaved=rotary_interleaved, num_splits=num_splits, scale=softmax_scale, causal=causal,
-        window=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes,
+        window=_window(window_size, causal), softcap=softcap, alibi_slopes=alibi_slopes,
         return_lse=return_softmax_lse)
