@@ -37,7 +37,7 @@ from .api import attention, get_dispatcher, problem_of
 from .configs import CPU, CUDA_ARCHS, ConfigError, Family, KernelConfig
 from .dispatcher import Dispatcher, NoKernelError
 from .problem import DType, MaskAlign, Problem
-from .registry import Registry
+from .registry import PROFILES, Registry
 
 # Sizes `fmha run` / `fmha kernels explain` use for flags not given: small for the CPU
 # interpreter, realistic on a GPU.
@@ -438,7 +438,9 @@ def _cmd_info(args: argparse.Namespace, console: Any) -> int:
 
 def _registry(args: argparse.Namespace) -> Registry:
     path = getattr(args, "registry", None)
-    return get_dispatcher().registry if path is None else _load_registry(path)
+    registry = get_dispatcher().registry if path is None else _load_registry(path)
+    profile = getattr(args, "profile", None)
+    return registry if profile is None else registry.profile(profile)
 
 
 def _load_registry(path: str) -> Registry:
@@ -649,6 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--family", choices=[f.value for f in Family], default=None)
     k.add_argument("--dtype", choices=[d.value for d in DType], default=None)
     k.add_argument("--registry", metavar="FILE", default=None, help="a registry JSON instead of the default")
+    k.add_argument("--profile", choices=sorted(PROFILES), default=None, help="only a named subset (CK's receipts)")
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=_cmd_kernels_list)
     k = ks.add_parser("explain", help="which fwd config a problem gets, and why the others are refused",
@@ -673,6 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--jobs", "-j", type=_int_at_least(1), default=None,
                    help=f"parallel compiler processes (default: the number of CPUs, {os.cpu_count()})")
     k.add_argument("--registry", metavar="FILE", default=None, help="a registry JSON instead of the default")
+    k.add_argument("--profile", choices=sorted(PROFILES), default=None, help="only a named subset (CK's receipts)")
     k.add_argument("--record", metavar="FILE", default=None,
                    help=f"the build record (default: {precompile.RECORD_NAME} in Triton's cache dir)")
     k.add_argument("--timeout", type=_nonneg_float, default=None, metavar="S",

@@ -62,6 +62,20 @@ class Registry:
                 and (dtype is None or dtype in c.signature.dtypes)]
         return Registry(keep, name=f"{self.name}[filtered]")
 
+    def profile(self, name: str) -> Registry:
+        """The configs of a named profile (CK's "receipts"): see PROFILES."""
+        if name not in PROFILES:
+            raise ValueError(f"profile={name!r} is not known; accepted: {sorted(PROFILES)}")
+        families, dtypes = PROFILES[name]
+        keep = [c for c in self if (families is None or c.family in families)
+                and (dtypes is None or set(c.signature.dtypes) & dtypes)]
+        return Registry(keep, name=f"{self.name}[{name}]")
+
+    def merged(self, other: Registry, name: str | None = None) -> Registry:
+        """This registry's configs, then those of `other` that it lacks (first fit keeps ours first)."""
+        return Registry([*self, *(c for c in other if c.name not in self._configs)],
+                        name=name or f"{self.name}+{other.name}")
+
     def statistics(self) -> dict[str, dict[str, int]]:
         return {
             "by_family": dict(Counter(c.family.value for c in self)),
@@ -98,6 +112,19 @@ class Registry:
     @classmethod
     def load(cls, path: str | Path) -> Registry:
         return cls.from_json(Path(path).read_text())
+
+
+_BWD = frozenset({Family.BWD_DOT_DO_O, Family.BWD_DQ_DK_DV, Family.BWD_CONVERT_DQ, Family.BWD_DQ})
+_KVCACHE = frozenset({Family.FWD_SPLITKV, Family.SPLITKV_COMBINE, Family.APPEND_KV})
+# Named subsets (CK's receipts): (families or None for all, dtypes or None for all).
+PROFILES: dict[str, tuple[frozenset | None, frozenset | None]] = {
+    "flash_fwd": (frozenset({Family.FWD}), None),
+    "flash_bwd": (_BWD, None),
+    "pytorch": (frozenset({Family.FWD, Family.DROPOUT_MASK}) | _BWD, None),  # training through autograd
+    "inference": (frozenset({Family.FWD}) | _KVCACHE, None),
+    "fp32": (None, frozenset({DType.FP32})),
+    "all": (None, None),
+}
 
 
 def _config(family, dtypes, archs, head_dim_max, block_m, block_n, warps, stages, head_dim_min=1,
