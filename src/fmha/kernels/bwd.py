@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, dropout_keep, key_range, modify_logits, seq_bounds, visible
+from .launch_args import alibi_strides, bias_strides, feature_flags, padded_dim, row_strides, seq_strides
 
 
 @triton.jit
@@ -361,33 +362,10 @@ def convert_dq_kernel(dQacc, dQ, n_rows, head_dim, scale,
 # for the forward (see fwd.launch); lse/delta are (B, Hq, Sq) or (Hq, total_q).
 
 
-def _seq_strides(t, varlen):
-    return (0, t.stride(1), t.stride(0)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
-
-
-def _row_strides(lse, varlen):
-    return (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
-
-
 def _dims(q, k, v):
     nheads_q, nheads_k = q.shape[1], k.shape[1]
     head_dim_qk, head_dim_v = q.shape[-1], v.shape[-1]
     return nheads_q, nheads_k, head_dim_qk, head_dim_v
-
-
-def _feature_flags(window, sink_size, softcap, bias, alibi_slopes, dropout_p, align_bottom_right,
-                   cu_seqlens_q, seqused_k):
-    left, right = window
-    return dict(
-        IS_VARLEN=cu_seqlens_q is not None, HAS_SEQUSED_K=seqused_k is not None,
-        ALIGN_BOTTOM_RIGHT=align_bottom_right, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
-        HAS_SINK_TOKENS=sink_size > 0, HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None,
-        HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=dropout_p > 0,
-    )
-
-
-def _pow2(d):
-    return max(16, triton.next_power_of_2(d))
 
 
 def launch_dot_do_o(o, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=None,
@@ -402,18 +380,11 @@ def launch_dot_do_o(o, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=Non
         o, do, dlse if dlse is not None else lse, lse, delta,
         dsinks_rows if dsinks_rows is not None else delta, sinks if sinks is not None else lse,
         cu_seqlens_q if varlen else lse,
-        *_seq_strides(o, varlen), *_seq_strides(do, varlen), *_row_strides(lse, varlen),
+        *seq_strides(o, varlen), *seq_strides(do, varlen), *row_strides(lse, varlen),
         nheads_q, max_seqlen_q, head_dim_v,
         IS_VARLEN=varlen, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None,
-        BLOCK_M=block_m, BLOCK_DV=_pow2(head_dim_v), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_DV=padded_dim(head_dim_v), num_warps=num_warps, num_stages=num_stages,
     )
-
-
-def _common_args(bias, alibi_slopes):
-    bias_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
-    alibi_strides = (alibi_slopes.stride(0) if alibi_slopes.shape[0] > 1 else 0,
-                     alibi_slopes.stride(1)) if alibi_slopes is not None else (0, 0)
-    return bias_strides, alibi_strides
 
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, *, dq_acc=None, dbias=None,
@@ -430,8 +401,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, *, dq_acc=None, dbias=None,
     if grid[0] == 0:
         return
     dummy = delta
-    bias_strides, alibi_strides = _common_args(bias, alibi_slopes)
-    dq_strides = _seq_strides(dq_acc, varlen) if dq_acc is not None else (0, 0, 0)
+    dq_strides = seq_strides(dq_acc, varlen) if dq_acc is not None else (0, 0, 0)
     db_strides = dbias.stride()[:3] if dbias is not None else (0, 0, 0)
     dkdv_kernel[grid](
         q, k, v, do, lse, delta,
@@ -440,16 +410,16 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, *, dq_acc=None, dbias=None,
         bias if bias is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy,
         cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
         seqused_k if seqused_k is not None else dummy,
-        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), v.stride(-1),
-        *_seq_strides(do, varlen), *_row_strides(lse, varlen), *dq_strides,
-        *_seq_strides(dk, varlen), *_seq_strides(dv, varlen),
-        *bias_strides, *db_strides, *alibi_strides,
+        *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen), v.stride(-1),
+        *seq_strides(do, varlen), *row_strides(lse, varlen), *dq_strides,
+        *seq_strides(dk, varlen), *seq_strides(dv, varlen),
+        *bias_strides(bias), *db_strides, *alibi_strides(alibi_slopes),
         nheads_q, nheads_q // nheads_k, max_seqlen_q, max_seqlen_k, head_dim_qk, head_dim_v,
         scale, softcap, window[0], window[1], sink_size, dropout_p, seed, offset,
-        **_feature_flags(window, sink_size, softcap, bias, alibi_slopes, dropout_p,
+        **feature_flags(window, sink_size, softcap, bias, alibi_slopes, dropout_p,
                          align_bottom_right, cu_seqlens_q, seqused_k),
         WRITE_DBIAS=dbias is not None, DQ_ATOMIC=dq_acc is not None, DOT_PRECISION=dot_precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=_pow2(head_dim_qk), BLOCK_DV=_pow2(head_dim_v),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=padded_dim(head_dim_qk), BLOCK_DV=padded_dim(head_dim_v),
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -468,21 +438,20 @@ def launch_dq(q, k, v, do, lse, delta, dq, *,
     if grid[0] == 0:
         return
     dummy = delta
-    bias_strides, alibi_strides = _common_args(bias, alibi_slopes)
     dq_kernel[grid](
         q, k, v, do, lse, delta, dq,
         bias if bias is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy,
         cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
         seqused_k if seqused_k is not None else dummy,
-        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), v.stride(-1),
-        *_seq_strides(do, varlen), *_row_strides(lse, varlen), *_seq_strides(dq, varlen),
-        *bias_strides, *alibi_strides,
+        *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen), v.stride(-1),
+        *seq_strides(do, varlen), *row_strides(lse, varlen), *seq_strides(dq, varlen),
+        *bias_strides(bias), *alibi_strides(alibi_slopes),
         nheads_q, nheads_q // nheads_k, max_seqlen_q, max_seqlen_k, head_dim_qk, head_dim_v,
         scale, softcap, window[0], window[1], sink_size, dropout_p, seed, offset,
-        **_feature_flags(window, sink_size, softcap, bias, alibi_slopes, dropout_p,
+        **feature_flags(window, sink_size, softcap, bias, alibi_slopes, dropout_p,
                          align_bottom_right, cu_seqlens_q, seqused_k),
         DOT_PRECISION=dot_precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=_pow2(head_dim_qk), BLOCK_DV=_pow2(head_dim_v),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=padded_dim(head_dim_qk), BLOCK_DV=padded_dim(head_dim_v),
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -495,4 +464,4 @@ def launch_convert_dq(dq_acc, dq, *, scale: float, block_m: int, num_warps: int,
         return
     grid = (triton.cdiv(n_rows, block_m),)
     convert_dq_kernel[grid](dq_acc, dq, n_rows, head_dim, scale, head_dim, head_dim,
-                            BLOCK_R=block_m, BLOCK_D=_pow2(head_dim), num_warps=num_warps)
+                            BLOCK_R=block_m, BLOCK_D=padded_dim(head_dim), num_warps=num_warps)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import LN2, LOG2E, dropout_keep, key_range, modify_logits, seq_bounds, visible
+from .launch_args import alibi_strides, bias_strides, feature_flags, padded_dim, row_strides, seq_strides
 
 
 @triton.jit
@@ -209,16 +210,8 @@ def launch(
     bias is already broadcast (by view, zero strides) to 4 dims; alibi_slopes to (B or 1, Hq).
     """
     varlen = cu_seqlens_q is not None
-    nheads_q, nheads_k = q.shape[-3 if not varlen else 1], k.shape[-3 if not varlen else 1]
+    nheads_q, nheads_k = q.shape[1], k.shape[1]
     head_dim_qk, head_dim_v = q.shape[-1], v.shape[-1]
-
-    def seq_strides(t):  # (batch, head, row) strides; packed tensors have no batch stride
-        return (0, t.stride(1), t.stride(0)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
-
-    lse_strides = (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
-    bias_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
-    alibi_strides = (alibi_slopes.stride(0) if alibi_slopes.shape[0] > 1 else 0,
-                     alibi_slopes.stride(1)) if alibi_slopes is not None else (0, 0)
     dummy = o
     left, right = window
     grid = (triton.cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
@@ -230,17 +223,13 @@ def launch(
         cu_seqlens_q if varlen else dummy,
         cu_seqlens_k if varlen else dummy,
         seqused_k if seqused_k is not None else dummy,
-        *seq_strides(q), *seq_strides(k), *seq_strides(v), v.stride(-1), *seq_strides(o),
-        *lse_strides, *bias_strides, *alibi_strides,
+        *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen), v.stride(-1),
+        *seq_strides(o, varlen), *row_strides(lse, varlen), *bias_strides(bias), *alibi_strides(alibi_slopes),
         nheads_q, nheads_q // nheads_k, max_seqlen_q, max_seqlen_k, head_dim_qk, head_dim_v,
         scale, softcap, left, right, sink_size, dropout_p, seed, offset,
-        IS_VARLEN=varlen, HAS_SEQUSED_K=seqused_k is not None,
-        ALIGN_BOTTOM_RIGHT=align_bottom_right,
-        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SINK_TOKENS=sink_size > 0,
-        HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
-        HAS_SINKS=sinks is not None, HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=dot_precision,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_DQK=max(16, triton.next_power_of_2(head_dim_qk)),
-        BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+        **feature_flags(window, sink_size, softcap, bias, alibi_slopes, dropout_p, align_bottom_right,
+                        cu_seqlens_q, seqused_k),
+        HAS_SINKS=sinks is not None, DOT_PRECISION=dot_precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=padded_dim(head_dim_qk), BLOCK_DV=padded_dim(head_dim_v),
         num_warps=num_warps, num_stages=num_stages,
     )

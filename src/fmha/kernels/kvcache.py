@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import LN2, LOG2E, key_range, modify_logits, visible
+from .launch_args import alibi_strides, padded_dim
 
 
 @triton.jit
@@ -261,10 +262,6 @@ def rotary_append_kernel(
     tl.store(Dst + rows[:, None] + h * stride_dh + d[None, :], x.to(Dst.dtype.element_ty), mask=mask)
 
 
-def _pow2(d):
-    return max(16, triton.next_power_of_2(d))
-
-
 def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table=None, cache_batch_idx=None,
                      alibi_slopes=None, sinks=None, num_splits: int, scale: float, softcap: float,
                      window: tuple[int, int], sink_size: int, align_bottom_right: bool,
@@ -282,8 +279,6 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table=None
     # kernel order: (batch, row, head, split)
     o_strides = (o.stride(1), o.stride(3), o.stride(2), o.stride(0)) if split else (*o.stride()[:3], 0)
     lse_strides = (lse.stride(1), lse.stride(2), lse.stride(3), lse.stride(0)) if split else (*lse.stride(), 0)
-    alibi_strides = (alibi_slopes.stride(0) if alibi_slopes.shape[0] > 1 else 0,
-                     alibi_slopes.stride(1)) if alibi_slopes is not None else (0, 0)
     dummy = seqlens_k
     left, right = window
     grid = (triton.cdiv(seqlen_q * (nheads_q // nheads_k), block_m) * batch * nheads_k * num_splits,)
@@ -299,14 +294,14 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table=None
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *o_strides, *lse_strides,
         block_table.stride(0) if block_table is not None else 0,
-        k_cache.shape[1] if block_table is not None else 1, *alibi_strides,
+        k_cache.shape[1] if block_table is not None else 1, *alibi_strides(alibi_slopes),
         batch, nheads_q, nheads_q // nheads_k, seqlen_q, head_dim_qk, head_dim_v, num_splits,
         scale, softcap, left, right, sink_size,
         PAGED=block_table is not None, HAS_CACHE_BATCH_IDX=cache_batch_idx is not None,
         ALIGN_BOTTOM_RIGHT=align_bottom_right, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
         HAS_SINK_TOKENS=sink_size > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
         HAS_SINKS=sinks is not None, SPLIT=split, DOT_PRECISION=dot_precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=_pow2(head_dim_qk), BLOCK_DV=_pow2(head_dim_v),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=padded_dim(head_dim_qk), BLOCK_DV=padded_dim(head_dim_v),
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -326,7 +321,7 @@ def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sink
         n_parts, n_rows, nheads, seqlen, head_dim,
         o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0),
         o.stride(0), o.stride(2), o.stride(1), lse.stride(0), lse.stride(1), lse.stride(2),
-        HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_D=_pow2(head_dim), num_warps=num_warps,
+        HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_D=padded_dim(head_dim), num_warps=num_warps,
     )
 
 
@@ -350,5 +345,5 @@ def launch_rotary_append(src, dst, *, base, cos=None, sin=None, interleaved=Fals
         ntok, nheads, head_dim, rotary_kernel_args[3],
         PAGED=block_table is not None, HAS_CACHE_BATCH_IDX=cache_batch_idx is not None,
         ROTATE=rotate, INTERLEAVED=interleaved, DST_AT_BASE=dst_at_base,
-        BLOCK_T=block_m, BLOCK_D=_pow2(head_dim), num_warps=num_warps,
+        BLOCK_T=block_m, BLOCK_D=padded_dim(head_dim), num_warps=num_warps,
     )

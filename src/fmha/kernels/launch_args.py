@@ -1,0 +1,45 @@
+"""Host-side helpers shared by the launchers: strides and constexpr flags from tensors.
+
+Kernel views are bhsd (dense) or packed (total, H, D) (varlen); lse-like tensors are
+(B, Hq, Sq) or (Hq, total_q). Absent optional tensors get zero strides.
+"""
+
+import triton
+
+
+def seq_strides(t, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, row) strides; packed tensors have no batch stride."""
+    return (0, t.stride(1), t.stride(0)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def row_strides(lse, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, row) strides of an lse-shaped tensor."""
+    return (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
+
+
+def bias_strides(bias) -> tuple[int, int, int, int]:
+    return bias.stride() if bias is not None else (0, 0, 0, 0)
+
+
+def alibi_strides(alibi_slopes) -> tuple[int, int]:
+    """(batch, head) strides of (B or 1, Hq) slopes; a batch of 1 broadcasts."""
+    if alibi_slopes is None:
+        return (0, 0)
+    return (alibi_slopes.stride(0) if alibi_slopes.shape[0] > 1 else 0, alibi_slopes.stride(1))
+
+
+def padded_dim(d: int) -> int:
+    """Head dims are padded to a power of two (at least 16, tl.dot's minimum) inside the kernel."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def feature_flags(window, sink_size, softcap, bias, alibi_slopes, dropout_p, align_bottom_right,
+                  cu_seqlens_q, seqused_k) -> dict:
+    """The constexpr feature flags the dense forward and backward kernels share."""
+    left, right = window
+    return dict(
+        IS_VARLEN=cu_seqlens_q is not None, HAS_SEQUSED_K=seqused_k is not None,
+        ALIGN_BOTTOM_RIGHT=align_bottom_right, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
+        HAS_SINK_TOKENS=sink_size > 0, HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None,
+        HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=dropout_p > 0,
+    )
