@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import validation as V
-from .configs import Family, KernelConfig
+from .configs import Family, KernelConfig, Pipeline
 from .dispatcher import Dispatcher, Plan, default_dispatcher
 from .kernels.loader import family_module
 from .problem import DType, MaskAlign, Problem
@@ -51,6 +51,17 @@ def _arch_of(device: torch.device) -> str:
         raise ValueError(f"tensors on {device} are not supported; accepted: cuda or cpu")
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm{major}{minor}"
+
+
+def _tma_aligned(*tensors: Tensor) -> bool:
+    """Base pointers and all but the last (unit) stride 16-byte aligned: TMA can load them."""
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or (t.device.type != "meta" and t.data_ptr() % 16):
+            return False
+        if any((s * size) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
 
 
 def _algorithm_args(config: KernelConfig) -> dict:
@@ -134,6 +145,7 @@ def _prepare(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seq
         alibi=alibi_slopes is not None, softcap=float(softcap), sinks=sinks is not None,
         dropout_p=float(dropout_p), varlen=varlen, seqused_k=seqused_k is not None,
         v_column_major=v_column_major, deterministic=deterministic,
+        tma_aligned=_tma_aligned(qv, kv, vv),
     )
     scale = 1.0 / math.sqrt(qv.shape[-1]) if scale is None else float(scale)
     return _Prepared(problem, qv, kv, vv, scale)
@@ -217,13 +229,24 @@ def _fwd_op(
     prep = _prepare(q, k, v, **args)
     plan = _plan_forward(prep.problem, False)
     o, o_view, lse = _alloc_like(q, v.shape[-1], prep.problem.varlen, layout)
-    if o.numel() or lse.numel():
+    config = plan.config(Family.FWD)
+    if not (o.numel() or lse.numel()):
+        return o, lse
+    if config.algorithm.pipeline.is_gluon:
+        p, a = prep.problem, config.algorithm
+        with _device_guard(q):
+            family_module("fwd_gluon", interpreted=False).launch(
+                prep.q, prep.k, prep.v, o_view, lse, causal=p.window == (-1, 0),
+                align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT, scale=prep.scale,
+                block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages,
+                pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG)
+    else:
         kernels = family_module("fwd", interpreted=q.device.type == "cpu")
         with _device_guard(q):
             kernels.launch(prep.q, prep.k, prep.v, o_view, lse, sinks=sinks,
                            **_kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                           seqused_k, seed, offset),
-                           **_algo(plan.config(Family.FWD)))
+                           **_algo(config))
     return o, lse
 
 

@@ -29,9 +29,18 @@ class Family(str, Enum):
 
 
 class Pipeline(str, Enum):
-    """How a kernel is written. `triton`: plain Triton with pointer loads (any strides)."""
+    """How a kernel is written. `triton`: plain Triton with pointer loads (any strides).
+    `gluon_ws`: Gluon for Hopper, warp-specialized (TMA producer warp, two wgmma consumer
+    warpgroups), see kernels/fwd_gluon.py; `gluon_ws_pingpong`: the same with the consumer
+    warpgroups taking turns on the tensor cores (FlashAttention-3's ping-pong)."""
 
     TRITON = "triton"
+    GLUON_WS = "gluon_ws"
+    GLUON_WS_PINGPONG = "gluon_ws_pingpong"
+
+    @property
+    def is_gluon(self) -> bool:
+        return self in (Pipeline.GLUON_WS, Pipeline.GLUON_WS_PINGPONG)
 
 
 # CUDA archs the plain Triton kernels compile for; "cpu" is Triton's interpreter.
@@ -58,6 +67,9 @@ class Signature:
     head_dim_max: int
     head_dim_min: int = 1
     features: frozenset[Feature] = DENSE_FEATURES
+    head_dims: tuple[int, ...] = ()  # if set: Dqk == Dv, one of these (fixed-size tiles)
+    sliding_window: bool = True  # False: of the masks, causal only (either alignment)
+    needs_tma: bool = False  # TMA loads: 16-byte aligned strides, non-empty keys
 
     def refusals(self, problem: Problem) -> list[str]:
         reasons = []
@@ -72,6 +84,16 @@ class Signature:
         missing = problem.features - self.features
         if missing:
             reasons.append(f"features not supported: {sorted(f.value for f in missing)}")
+        if self.head_dims and not (problem.head_dim_qk == problem.head_dim_v
+                                   and problem.head_dim_qk in self.head_dims):
+            reasons.append(f"head dims (qk {problem.head_dim_qk}, v {problem.head_dim_v}) are not "
+                           f"equal and one of {list(self.head_dims)}")
+        if not self.sliding_window and problem.window not in ((-1, -1), (-1, 0)):
+            reasons.append(f"window {problem.window}: only causal masks, no sliding window")
+        if self.needs_tma and not problem.tma_aligned:
+            reasons.append("q/k/v strides or base pointers are not 16-byte aligned (TMA needs it)")
+        if self.needs_tma and problem.seqlen_k == 0:
+            reasons.append("seqlen_k is 0 (a TMA descriptor needs a non-empty tensor)")
         return reasons
 
 
@@ -129,6 +151,7 @@ class KernelConfig:
                 dtypes=tuple(DType(d) for d in s.pop("dtypes")),
                 archs=tuple(s.pop("archs")),
                 features=frozenset(Feature(f) for f in s.pop("features")),
+                head_dims=tuple(s.pop("head_dims", ())),
                 **s,
             )
             algorithm = Algorithm(**{**a, "pipeline": Pipeline(a.get("pipeline", "triton"))})

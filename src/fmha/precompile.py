@@ -54,7 +54,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .configs import CPU, Family, KernelConfig
+from .configs import CPU, Family, KernelConfig, Pipeline
 from .problem import DType
 from .registry import Registry
 
@@ -239,6 +239,8 @@ class CompileJob:
     constexprs: tuple[tuple[str, Any], ...]
     num_warps: int
     num_stages: int
+    language: str = "triton"  # or "gluon"
+    maxnreg: int | None = None
 
 
 @dataclass
@@ -330,6 +332,24 @@ def make_job(spec: KernelSpec, config: KernelConfig, dtype: DType, variant: str)
                       tuple(constexprs), a.num_warps, a.num_stages)
 
 
+def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob]]:
+    """The compile calls of a Gluon forward config: plain and causal (kernels/fwd_gluon.py)."""
+    from .kernels import fwd_gluon
+
+    if config.family != Family.FWD:
+        raise ValueError(f"no Gluon kernel for family {config.family.value}")
+    a = config.algorithm
+    jobs = []
+    for variant in ("plain", "causal"):
+        signature, constexprs, options = fwd_gluon.compile_spec(
+            TRITON_TYPES[dtype], config.signature.head_dim_max, a.block_m, a.block_n, a.num_stages,
+            causal=variant == "causal", pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG)
+        jobs.append((variant, CompileJob(f"{__package__}.kernels.fwd_gluon", "fwd_ws_kernel",
+                                         tuple(signature.items()), tuple(constexprs.items()),
+                                         options["num_warps"], 1, "gluon", options["maxnreg"])))
+    return jobs
+
+
 def _kernel(spec: KernelSpec) -> Any:
     return getattr(importlib.import_module(f"{__package__}.kernels.{spec.module}"), spec.kernel)
 
@@ -396,10 +416,16 @@ def compile_job(job: CompileJob, target: Any, limit: int) -> dict[str, Any]:
         signature = dict(job.signature)
         pointers = [i for i, (_, kind) in enumerate(job.signature) if kind.startswith("*")]
         attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}  # torch allocations are aligned
-        src = ASTSource(fn, signature, dict(job.constexprs), attrs)
+        options = {"num_warps": job.num_warps, "num_stages": job.num_stages}
+        if job.language == "gluon":
+            from triton.experimental.gluon._runtime import GluonASTSource
+
+            src = GluonASTSource(fn, signature, dict(job.constexprs), attrs)
+            options = {"num_warps": job.num_warps, "maxnreg": job.maxnreg}
+        else:
+            src = ASTSource(fn, signature, dict(job.constexprs), attrs)
         with _shared_memory_guard(limit):
-            compiled = triton.compile(src, target=target,
-                                      options={"num_warps": job.num_warps, "num_stages": job.num_stages})
+            compiled = triton.compile(src, target=target, options=options)
         shared = int(compiled.metadata.shared)
         return {"shared": shared, "seconds": time.perf_counter() - start, "error": None}
     except SharedMemoryExceeded as e:
@@ -440,7 +466,8 @@ def worker_main() -> None:
         data = json.loads(line)
         raw = data["job"]
         job = CompileJob(raw["module"], raw["kernel"], tuple(tuple(x) for x in raw["signature"]),
-                         tuple(tuple(x) for x in raw["constexprs"]), raw["num_warps"], raw["num_stages"])
+                         tuple(tuple(x) for x in raw["constexprs"]), raw["num_warps"], raw["num_stages"],
+                         raw.get("language", "triton"), raw.get("maxnreg"))
         if data["cache_dir"]:  # the parent's Triton cache, also if it was set in code, not by env
             triton.knobs.cache.dir = data["cache_dir"]
         outcome = compile_job(job, GPUTarget(*data["target"]), data["limit"])
@@ -641,6 +668,16 @@ def _plan(registry: Registry, arch: str, target: Any, limit: int, families: set[
                 result.message = (f"{config.name} [{dtype.value}]: no Triton element type for dtype "
                                   f"{dtype.value} in precompile.TRITON_TYPES")
                 out.append(result)
+                continue
+            if config.algorithm.pipeline.is_gluon:
+                try:
+                    variants = gluon_jobs(config, dtype)
+                    key = record_key(config, dtype, target, [job for _, job in variants])
+                except Exception as e:
+                    result.message = f"{config.name} [{dtype.value}]: {first_lines(f'{type(e).__name__}: {e}')}"
+                    out.append(result)
+                    continue
+                out.append(_Entry(config, dtype, variants, key, result))
                 continue
             spec = FAMILY_KERNELS.get(config.family)
             if spec is None:

@@ -68,6 +68,9 @@ class Problem:
     v_column_major: bool = False
     deterministic: bool = False
     paged_kv: bool = False
+    # q/k/v base pointers and strides 16-byte aligned (TMA descriptors need it); the API
+    # measures it, hand-built problems assume fresh tensors.
+    tma_aligned: bool = True
 
     def __post_init__(self) -> None:
         if self.causal and self.window[1] != 0:

@@ -21,6 +21,7 @@ from .configs import (
     ConfigError,
     Family,
     KernelConfig,
+    Pipeline,
     Signature,
 )
 from .problem import DType, Feature
@@ -135,6 +136,16 @@ def _config(family, dtypes, archs, head_dim_max, block_m, block_n, warps, stages
     )
 
 
+def _gluon_fwd_config(head_dim, block_n, stages, pipeline, notes):
+    """A Hopper Gluon forward config (kernels/fwd_gluon.py): 128-row tiles, two consumer
+    warpgroups, 4 warps in the config (the producer warp and the second warpgroup are added)."""
+    return KernelConfig(
+        Signature(Family.FWD, (DType.FP16, DType.BF16), ("sm90",), head_dim, head_dim,
+                  frozenset({Feature.MASK, Feature.GQA, Feature.DETERMINISTIC}), head_dims=(head_dim,),
+                  sliding_window=False, needs_tma=True),
+        Algorithm(128, block_n, 4, stages, pipeline=pipeline), notes=notes)
+
+
 def _family_configs(family, rows):
     return [_config(family, *row) for row in rows]
 
@@ -148,7 +159,15 @@ def default_registry() -> Registry:
     with_fp64 = every + (DType.FP64,)  # fp64 runs in the interpreter only (gradcheck)
     # Rows: (dtypes, archs, head_dim_max, block_m, block_n, warps, stages[, head_dim_min]).
     # The interpreter's tiles are small so that small test problems cross tile borders.
-    configs = _family_configs(Family.FWD, [
+    # Gluon (Hopper) first: 0.94-1.03x cuDNN where plain Triton reaches 0.55-0.78x (H200,
+    # 2026-11-30, docs/performance.md). Ping-pong helped at D=128/256 and cost 2-3% at D=64.
+    pp = Pipeline.GLUON_WS_PINGPONG
+    configs = [
+        _gluon_fwd_config(64, 128, 3, Pipeline.GLUON_WS, "FA3-style warp-specialized forward"),
+        _gluon_fwd_config(128, 128, 2, pp, "FA3-style warp-specialized forward, ping-pong"),
+        _gluon_fwd_config(256, 64, 2, pp, "FA3-style warp-specialized forward, ping-pong"),
+    ]
+    configs += _family_configs(Family.FWD, [
         (half, cuda, 64, 128, 64, 4, 3),
         # m128 n128 w8 s3 ran plain attention as fast (455/329 TFLOP/s, H200 2026-11-29) but
         # needs 288 KB of shared memory with bias or dropout: over the 227 KB limit.

@@ -1,0 +1,316 @@
+"""Forward attention for Hopper in Gluon (family `fwd`, pipeline `gluon_ws`).
+
+FlashAttention-3's structure, written with Gluon's Hopper primitives:
+
+- warp specialization: one producer warp issues TMA loads of Q and of K/V tiles into a ring
+  of shared-memory stages (mbarriers `k_ready`/`v_ready` per stage; `k_empty` released once
+  S is computed, `v_empty` once P V is); two consumer warpgroups each own 64 query rows of
+  the CTA's 128-row tile and share every K/V stage;
+- wgmma (`warpgroup_mma`) with Q and K/V in shared memory and P from registers;
+- intra-warpgroup overlap: S(j) = Q K(j)^T and O += P(j-1) V(j-1) are issued together, the
+  softmax of S(j) runs while P(j-1) V(j-1) is still on the tensor cores;
+- ping-pong (optional, `PINGPONG`): the two consumer warpgroups take turns issuing their
+  matrix products (an mbarrier per warpgroup), so one's softmax hides under the other's
+  products.
+
+Scope (the dispatcher checks it, see registry.py): fp16/bf16, Dqk == Dv in {64, 128, 256},
+bhsd or bshd views with 16-byte aligned strides (TMA), no mask or causal in either
+alignment, GQA/MQA, LSE. Everything else runs on the Triton kernel (fwd.py).
+Out-of-range rows and keys: TMA zero-fills loads and clips stores; keys past the end are
+masked to -inf in the last tile.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E = 1.4426950408889634
+LN2 = gl.constexpr(0.6931471805599453)
+# scale 0 would give -inf * 0 = NaN on masked keys; 1e-30 changes no logit by an fp32 ulp.
+TINY_SCALE = 1e-30
+# Registers per thread: 3 warpgroups start at MAXNREG (168 * 384 threads fit 64K); the
+# producer gives its share to the consumers (setmaxnreg), as FlashAttention-3 does.
+MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
+WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
+
+
+@gluon.constexpr_function
+def _acc_layout(cols, num_warps):
+    """wgmma accumulator layout for a [16 * num_warps, cols] tile: widest instruction N."""
+    n = 256
+    while n > cols or cols % n != 0:
+        n -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(b, h, hk, first row of the CTA tile, number of key tiles) of this program.
+
+    1-d grid, heads outermost; under causal the longest row tiles start first.
+    """
+    num_m = gl.cdiv(seqlen_q, BLOCK_M)
+    pid = gl.program_id(0)
+    bh = pid // num_m
+    pid_m = num_m - 1 - pid % num_m
+    b = bh // nheads_q
+    h = bh % nheads_q
+    row0 = pid_m * BLOCK_M
+    hi = seqlen_k
+    if CAUSAL:
+        last_row = gl.minimum(row0 + BLOCK_M, seqlen_q) - 1
+        hi = gl.maximum(gl.minimum(hi, last_row + diag + 1), 0)
+    # At least one tile, so that every partition runs the same (possibly fully masked) loop.
+    n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+    return b, h, h // group, row0, n_tiles
+
+
+@gluon.jit
+def _softmax_update(s, m_i, l_i, rows, n0, seqlen_k, diag, qk_scale, row_lo,
+                    CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Online softmax on one raw S tile. m is kept in raw (unscaled) units so that
+    p = exp2(s * scale - m * scale) is one FMA per element; that needs scale >= 0, so a
+    negative scale is applied as -S times |scale|. Returns (p, m, l, alpha)."""
+    if NEG_SCALE:
+        s = -s
+    need_mask = n0 + BLOCK_N > seqlen_k
+    if CAUSAL:
+        need_mask = need_mask | (n0 + BLOCK_N - 1 > row_lo + diag)
+    if need_mask:
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        ok = cols[None, :] < seqlen_k
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= rows[:, None] + diag)
+        s = gl.where(ok, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_scaled = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
+    alpha = gl.exp2(m_i * qk_scale - m_scaled)
+    p = gl.exp2(s * qk_scale - m_scaled[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr,
+              PINGPONG: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    (q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
+     q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale) = args
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N, 4)
+    o_layout: gl.constexpr = _acc_layout(HEAD_DIM, 4)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    b, h, hk, row0, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    row_lo = row0 + WG * WG_ROWS
+    rows = row_lo + gl.arange(0, WG_ROWS, layout=row_layout)
+    q_tile = q_smem.index(WG)
+    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([WG_ROWS], gl.float32, row_layout)
+    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+
+    mbarrier.wait(q_bar, 0)
+    # Tile 0: S only (there is no P yet).
+    mbarrier.wait(k_ready.index(0), 0)
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), 0)
+    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale, row_lo,
+                                         CAUSAL, NEG_SCALE, BLOCK_N)
+    for j in range(1, n_tiles):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), j & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # While S(j) runs: bring O to tile j-1's running max, then O += P(j-1) V(j-1).
+        acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+        # S(j) completes first (groups retire in order); its softmax overlaps P(j-1) V(j-1).
+        s = warpgroup_mma_wait(1, deps=(s,))
+        mbarrier.arrive(k_empty.index(stage), count=1)
+        p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, rows, j * BLOCK_N, seqlen_k, diag, qk_scale,
+                                             row_lo, CAUSAL, NEG_SCALE, BLOCK_N)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+    last = (n_tiles - 1) % STAGES
+    acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+
+    # Epilogue: empty rows (all keys masked) give 0 and LSE -inf.
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i * qk_scale + gl.log2(l_safe)) * LN2)
+    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + h * stride_lh + rows * stride_lm, lse,
+             mask=rows < seqlen_q)
+    out = acc / gl.convert_layout(l_safe, orow_layout)[:, None]
+    q_tile.store(out.to(dtype))  # Q is no longer read: its buffer stages O for the TMA store
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, row_lo, 0], q_tile.reshape([1, 1, WG_ROWS, HEAD_DIM]))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer0(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, PINGPONG: gl.constexpr,
+               BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    _consumer(args, 0, CAUSAL, NEG_SCALE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+
+
+@gluon.jit
+def _consumer1(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, PINGPONG: gl.constexpr,
+               BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    _consumer(args, 1, CAUSAL, NEG_SCALE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+
+
+@gluon.jit
+def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, PINGPONG: gl.constexpr,
+               BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    (q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
+     q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale) = args
+    b, h, hk, row0, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, row0, 0], q_bar,
+                                    q_smem.index(0).reshape([1, 1, WG_ROWS, HEAD_DIM]))
+    tma.async_copy_global_to_shared(q_desc, [b, h, row0 + WG_ROWS, 0], q_bar,
+                                    q_smem.index(1).reshape([1, 1, WG_ROWS, HEAD_DIM]))
+    for j in range(n_tiles):
+        stage = j % STAGES
+        # A fresh mbarrier counts as having completed the phase before phase 0.
+        mbarrier.wait(k_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(stage),
+                                        k_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        mbarrier.wait(v_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(stage),
+                                        v_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+
+
+@gluon.jit
+def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
+                  seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale,
+                  CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, PINGPONG: gl.constexpr,
+                  BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows each")
+    dtype: gl.constexpr = q_desc.dtype
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], tile_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a stage
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
+
+    args = (q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
+            q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+            seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale)
+    gl.warp_specialize([
+        (_consumer0, (args, CAUSAL, NEG_SCALE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer1, (args, CAUSAL, NEG_SCALE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_producer, (args, CAUSAL, NEG_SCALE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _descriptor(t, block_rows: int):
+    """A 4-d TMA descriptor over a (B, H, S, D) view; loads of one (b, h) row block."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [1, 1, block_rows, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _gl_dtypes():
+    import torch
+
+    return {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+_GL_DTYPES = _gl_dtypes()
+
+
+def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: float,
+           block_m: int, block_n: int, num_stages: int, pingpong: bool = True,
+           consumer_regs: int = CONSUMER_REGS, producer_regs: int = PRODUCER_REGS,
+           maxnreg: int = MAXNREG) -> None:
+    """q/k/v/o: (B, H, S, D) views (any 16-byte aligned strides), lse: (B, Hq, Sq) fp32."""
+    batch, nheads_q, seqlen_q, head_dim = q.shape
+    nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    diag = seqlen_k - seqlen_q if align_bottom_right else 0
+    grid = (triton.cdiv(seqlen_q, block_m) * batch * nheads_q,)
+    fwd_ws_kernel[grid](
+        _descriptor(q, WG_ROWS.value), _descriptor(k, block_n), _descriptor(v, block_n),
+        _descriptor(o, WG_ROWS.value),
+        lse, *lse.stride(),
+        seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE),
+        CAUSAL=causal, NEG_SCALE=scale < 0, PINGPONG=pingpong, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+        num_warps=4, maxnreg=maxnreg,
+    )
+
+
+def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
+                 causal: bool, pingpong: bool) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, options) of `fwd_ws_kernel` as `launch` calls it, for an
+    ahead-of-time compile (fmha kernels build) without a GPU. dtype: "fp16" or "bf16"."""
+    element = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
+
+    def descriptor(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], element)
+        return f"tensordesc<{dtype}[1,1,{rows},{head_dim}],{layout!r}>"
+
+    signature = {"q_desc": descriptor(WG_ROWS.value), "k_desc": descriptor(block_n),
+                 "v_desc": descriptor(block_n), "o_desc": descriptor(WG_ROWS.value), "lse_ptr": "*fp32",
+                 **dict.fromkeys(("stride_lb", "stride_lh", "stride_lm", "seqlen_q", "seqlen_k", "nheads_q",
+                                  "group", "diag"), "i32"), "qk_scale": "fp32"}
+    constexprs = dict(CAUSAL=causal, NEG_SCALE=False, PINGPONG=pingpong, BLOCK_M=block_m, BLOCK_N=block_n,
+                      HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS,
+                      PRODUCER_REGS=PRODUCER_REGS)
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return signature, constexprs, {"num_warps": 4, "maxnreg": MAXNREG}

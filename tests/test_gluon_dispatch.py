@@ -1,0 +1,86 @@
+"""The Hopper Gluon forward on the CPU side: registry entries, dispatch rules and their
+reasons, TMA alignment detection, and a real sm90 compile of the kernel (Triton ships
+ptxas). Its numerics run on the GPU: tests/test_gpu_gluon.py."""
+
+import pytest
+import torch
+
+from fmha import DType, Family, Registry, api, default_registry, precompile
+from fmha.configs import Pipeline
+from fmha.dispatcher import Dispatcher
+from fmha.problem import MaskAlign, Problem
+
+
+def _problem(**kw):
+    base = dict(batch=2, nhead_q=8, nhead_k=2, seqlen_q=1000, seqlen_k=1533, head_dim_qk=128,
+                head_dim_v=128, dtype=DType.BF16, arch="sm90")
+    return Problem(**{**base, **kw})
+
+
+def _fwd_config(problem):
+    return Dispatcher(default_registry()).plan_forward(problem).config(Family.FWD)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("align", list(MaskAlign))
+def test_sm90_half_precision_problems_get_the_gluon_kernel(head_dim, causal, align):
+    config = _fwd_config(_problem(head_dim_qk=head_dim, head_dim_v=head_dim, causal=causal, mask_align=align))
+    assert config.algorithm.pipeline.is_gluon
+    assert config.signature.head_dims == (head_dim,)
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(window=(128, 0)), "only causal masks"),
+    (dict(tma_aligned=False), "16-byte aligned"),
+    (dict(head_dim_qk=96, head_dim_v=96), "one of [128]"),
+    (dict(head_dim_v=64), "are not equal"),
+    (dict(seqlen_k=0), "seqlen_k is 0"),
+    (dict(bias=True), "features not supported: ['bias']"),
+    (dict(softcap=30.0), "features not supported: ['softcap']"),
+    (dict(varlen=True), "features not supported: ['varlen']"),
+    (dict(arch="sm80"), "arch sm80 not in ['sm90']"),
+    (dict(dtype=DType.FP32), "dtype fp32 not in"),
+])
+def test_other_problems_fall_back_to_triton_and_explain_says_why(change, reason):
+    problem = _problem(**change)
+    config = _fwd_config(problem)
+    assert config.algorithm.pipeline == Pipeline.TRITON
+    text = Dispatcher(default_registry()).explain(problem, Family.FWD)
+    gluon_line = next(line for line in text.splitlines() if "d128-128_sm90_gluon" in line)
+    assert "refused" in gluon_line and reason in gluon_line, gluon_line
+
+
+def test_deterministic_problems_keep_the_gluon_forward():
+    assert _fwd_config(_problem(deterministic=True, causal=True)).algorithm.pipeline.is_gluon
+
+
+def test_registry_json_round_trip_keeps_gluon_fields():
+    registry = default_registry()
+    again = Registry.from_json(registry.to_json())
+    assert [c.to_dict() for c in again] == [c.to_dict() for c in registry]
+    gluon = [c for c in again if c.algorithm.pipeline.is_gluon]
+    assert {c.signature.head_dims for c in gluon} == {(64,), (128,), (256,)}
+    assert all(c.signature.needs_tma and not c.signature.sliding_window for c in gluon)
+    assert registry.statistics()["by_pipeline"]["gluon_ws_pingpong"] == 2
+
+
+def test_tma_alignment_detection():
+    x = torch.randn(2, 4, 64, 128, dtype=torch.bfloat16)
+    assert api._tma_aligned(x, x.transpose(1, 2))
+    assert not api._tma_aligned(torch.randn(2, 4, 64, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte rows
+    shifted = torch.randn(x.numel() + 1, dtype=torch.bfloat16)[1:].view(x.shape)  # base 2 bytes off
+    assert not api._tma_aligned(shifted)
+    q = torch.randn(2, 4, 64, 64, dtype=torch.bfloat16)
+    assert api.problem_of(q, q, q).tma_aligned
+
+
+def test_gluon_kernel_compiles_for_sm90(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon
+                  and c.signature.head_dims == (64,))
+    results = precompile.build(Registry([config]), "sm90", dtypes=["bf16"], jobs=2, progress=False,
+                               record_path=tmp_path / "record.json")
+    assert [r.status for r in results] == ["built"], results[0].message
+    assert [k.variant for k in results[0].kernels] == ["plain", "causal"]
+    assert all(0 < k.shared <= 232448 for k in results[0].kernels)

@@ -1,0 +1,131 @@
+"""Gluon forward variants vs the Triton forward vs SDPA cuDNN/flash, side by side.
+
+B=4, H=16, S 4096/8192, D 64/128/256, bf16, causal and not (plus the GQA shape 4x32/8 at
+8192). Contenders alternate within each round; the median over rounds is reported.
+
+    PYTHONPATH=src python tools/bench_gluon.py [--rounds N] [--quick]   (writes $OUT/bench_gluon.json)
+"""
+
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from fmha.kernels import fwd, fwd_gluon
+
+# (block_n, stages, pingpong) per head dim; the first is the registry's choice.
+GLUON_VARIANTS = {
+    64: [(128, 3, True), (128, 3, False), (128, 4, True)],
+    128: [(128, 2, True), (128, 2, False), (64, 3, True)],
+    256: [(64, 2, True), (64, 2, False), (32, 4, True)],
+}
+TRITON_TILE = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 32, 8, 2)}
+
+
+def contenders(q, k, v, causal):
+    b, hq, s, d = q.shape
+    hk = k.shape[1]
+    scale = 1 / math.sqrt(d)
+    o = torch.empty_like(q)
+    lse = torch.empty(b, hq, s, device=q.device, dtype=torch.float32)
+    calls = {}
+    for bn, st, pp in GLUON_VARIANTS[d]:
+        name = f"gluon_n{bn}s{st}{'_pp' if pp else ''}"
+        calls[name] = (lambda bn=bn, st=st, pp=pp: fwd_gluon.launch(
+            q, k, v, o, lse, causal=causal, align_bottom_right=True, scale=scale, block_m=128,
+            block_n=bn, num_stages=st, pingpong=pp)) , o
+    bm, bn, w, st = TRITON_TILE[d]
+    o2 = torch.empty_like(q)
+    lse2 = torch.empty_like(lse)
+    calls["triton"] = (lambda: fwd.launch(
+        q, k, v, o2, lse2, batch=b, max_seqlen_q=s, max_seqlen_k=s, scale=scale, softcap=0.0,
+        window=(-1, 0) if causal else (-1, -1), sink_size=0, align_bottom_right=True, dropout_p=0.0,
+        seed=0, offset=0, block_m=bm, block_n=bn, num_warps=w, num_stages=st, dot_precision="ieee")), o2
+    extra = {"enable_gqa": True} if hq != hk else {}
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        out = {}
+
+        def call(backend=backend, out=out):
+            with sdpa_kernel(backend):
+                out["o"] = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, **extra)
+        calls[name] = call, out
+    return calls
+
+
+def main() -> int:
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
+    quick = "--quick" in sys.argv
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shapes = [(4, 16, 16, s, d, c) for s in ((4096,) if quick else (4096, 8192)) for d in (64, 128, 256)
+              for c in (False, True)]
+    shapes += [(4, 32, 8, 8192, 128, c) for c in (False, True)]
+    rows = []
+    for b, hq, hk, s, d, causal in shapes:
+        torch.manual_seed(0)
+        q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
+        calls = contenders(q, k, v, causal)
+        flops = 4.0 * b * hq * s * s * d / (2 if causal else 1)
+        times = {name: [] for name in calls}
+        errors = {}
+        for name, (fn, _) in calls.items():  # compile + correctness against cuDNN
+            try:
+                fn()
+            except Exception as e:  # a variant that does not fit (shared memory) is reported, not fatal
+                errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        torch.cuda.synchronize()
+        ref = calls["cudnn"][1]["o"].float()
+        diffs = {}
+        for name, (_fn, res) in calls.items():
+            if name in errors:
+                continue
+            got = res["o"] if isinstance(res, dict) else res
+            diffs[name] = (got.float() - ref).abs().max().item()
+        for _ in range(rounds):
+            for name, (fn, _) in calls.items():
+                if name not in errors:
+                    times[name].append(triton.testing.do_bench(fn, warmup=25, rep=100))
+        med = {name: statistics.median(t) for name, t in times.items() if t}
+        row = {"shape": f"B={b} Hq={hq} Hk={hk} S={s} D={d} {'causal' if causal else 'full'}",
+               "tflops": {n: flops / (t * 1e-3) / 1e12 for n, t in med.items()},
+               "max_abs_diff_vs_cudnn": diffs, "errors": errors}
+        best = max((n for n in row["tflops"] if n.startswith("gluon")), key=row["tflops"].get, default=None)
+        row["best_gluon"] = best
+        rows.append(row)
+        cud = row["tflops"].get("cudnn")
+        line = " ".join(f"{n}={t:.0f}" for n, t in sorted(row["tflops"].items(), key=lambda x: -x[1]))
+        print(f"{row['shape']}: {line} | best {best} {row['tflops'][best] / cud:.3f}x cudnn"
+              if best and cud else f"{row['shape']}: {line}", flush=True)
+        if errors:
+            print("   errors:", errors, flush=True)
+        bad = {n: e for n, e in diffs.items() if e > 0.02}
+        if bad:
+            print("   LARGE DIFF vs cudnn:", bad, flush=True)
+        (out_dir / "bench_gluon.json").write_text(json.dumps(
+            {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+             "rows": rows}, indent=1))
+    gm = {}
+    for key in ("best_gluon", "gluon_default", "triton", "flash"):
+        vals = []
+        for r in rows:
+            t = r["tflops"]
+            name = r["best_gluon"] if key == "best_gluon" else (
+                next((n for n in t if n.startswith("gluon")), None) if key == "gluon_default" else key)
+            if name in t and "cudnn" in t:
+                vals.append(t[name] / t["cudnn"])
+        if vals:
+            gm[key] = math.exp(sum(map(math.log, vals)) / len(vals))
+    print("geomean vs cudnn:", {k: round(v, 3) for k, v in gm.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
