@@ -71,6 +71,7 @@ def test_tma_alignment_detection():
     assert not api._tma_aligned(torch.randn(2, 4, 64, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte rows
     shifted = torch.randn(x.numel() + 1, dtype=torch.bfloat16)[1:].view(x.shape)  # base 2 bytes off
     assert not api._tma_aligned(shifted)
+    assert not api._tma_aligned(torch.ones(1, 1, 1, 64, dtype=torch.bfloat16).expand(2, 4, 64, 64))
     q = torch.randn(2, 4, 64, 64, dtype=torch.bfloat16)
     assert api.problem_of(q, q, q).tma_aligned
 

@@ -37,6 +37,23 @@ def main() -> int:
         verdict = "ok" if ok else "WRONG"
         print(f"{b}x{hq}/{hk} sq={sq} sk={sk} d={d} causal={causal}: max err {err:.4f} {verdict} | {first}",
               flush=True)
+    for (b, hq, hk, s, d, causal) in [(1, 2, 1, 300, 300, 128, True), (2, 2, 2, 200, 200, 64, False)]:
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for h in (hq, hk, hk))
+        do = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+        line = next(x for x in fmha.explain(q, k, v, causal=causal).splitlines() if "bwd_dq_dk_dv " in x)
+        got = torch.autograd.grad(fmha.attention(q, k, v, causal=causal), (q, k, v), do)
+        torch.cuda.synchronize()
+        qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+        ref_o = torch.nn.functional.scaled_dot_product_attention(
+            qf, kf.repeat_interleave(hq // hk, 1), vf.repeat_interleave(hq // hk, 1), is_causal=causal)
+        want = torch.autograd.grad(ref_o, (qf, kf, vf), do.float())
+        errs = [(g.float() - w).abs().max().item() / max(w.abs().max().item(), 1e-6) for g, w in zip(got, want)]
+        ok = max(errs) < 0.03
+        bad += not ok
+        verdict = "ok" if ok else "WRONG"
+        print(f"bwd {b}x{hq}/{hk} s={s} d={d} causal={causal}: rel errs {[round(e, 4) for e in errs]} {verdict} "
+              f"| {line.strip()}", flush=True)
     return 1 if bad else 0
 
 

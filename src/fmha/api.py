@@ -59,8 +59,9 @@ def _tma_aligned(*tensors: Tensor) -> bool:
         size = t.element_size()
         if t.stride(-1) != 1 or (t.device.type != "meta" and t.data_ptr() % 16):
             return False
-        if any((s * size) % 16 for s in t.stride()[:-1]):
-            return False
+        for extent, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True):
+            if (stride * size) % 16 or (extent > 1 and stride <= 0):  # broadcast views: not for TMA
+                return False
     return True
 
 
@@ -301,9 +302,20 @@ def _bwd_op(
                               **_algo(plan.config(Family.BWD_DQ)))
         else:
             dq_acc = torch.zeros(dq.shape, dtype=_stats_dtype(q), device=q.device)
-            kernels.launch_dkdv(prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view,
-                                dq_acc=_kernel_view(dq_acc, prep), dbias=dbias_full, **shared,
-                                **_algo(plan.config(Family.BWD_DQ_DK_DV)))
+            dkdv = plan.config(Family.BWD_DQ_DK_DV)
+            if dkdv.algorithm.pipeline.is_gluon:
+                a = dkdv.algorithm
+                if not _tma_aligned(do_view):  # dO from autograd may be any view (TMA loads it)
+                    do_view = do_view.contiguous()
+                family_module("bwd_gluon", interpreted=False).launch_dkdv(
+                    prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view, _kernel_view(dq_acc, prep),
+                    causal=problem.window == (-1, 0),
+                    align_bottom_right=problem.mask_align == MaskAlign.BOTTOM_RIGHT, scale=prep.scale,
+                    block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages)
+            else:
+                kernels.launch_dkdv(prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view,
+                                    dq_acc=_kernel_view(dq_acc, prep), dbias=dbias_full, **shared,
+                                    **_algo(dkdv))
             kernels.launch_convert_dq(dq_acc, dq, scale=prep.scale,
                                       **_algo(plan.config(Family.BWD_CONVERT_DQ)))
     dbias = q.new_empty(0)

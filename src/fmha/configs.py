@@ -32,15 +32,18 @@ class Pipeline(str, Enum):
     """How a kernel is written. `triton`: plain Triton with pointer loads (any strides).
     `gluon_ws`: Gluon for Hopper, warp-specialized (TMA producer warp, two wgmma consumer
     warpgroups), see kernels/fwd_gluon.py; `gluon_ws_pingpong`: the same with the consumer
-    warpgroups taking turns on the tensor cores (FlashAttention-3's ping-pong)."""
+    warpgroups taking turns on the tensor cores (FlashAttention-3's ping-pong). `gluon`:
+    Gluon for Hopper, TMA + wgmma, software-pipelined without warp specialization
+    (kernels/bwd_gluon.py)."""
 
     TRITON = "triton"
+    GLUON = "gluon"
     GLUON_WS = "gluon_ws"
     GLUON_WS_PINGPONG = "gluon_ws_pingpong"
 
     @property
     def is_gluon(self) -> bool:
-        return self in (Pipeline.GLUON_WS, Pipeline.GLUON_WS_PINGPONG)
+        return self != Pipeline.TRITON
 
 
 # CUDA archs the plain Triton kernels compile for; "cpu" is Triton's interpreter.

@@ -333,20 +333,26 @@ def make_job(spec: KernelSpec, config: KernelConfig, dtype: DType, variant: str)
 
 
 def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob]]:
-    """The compile calls of a Gluon forward config: plain and causal (kernels/fwd_gluon.py)."""
-    from .kernels import fwd_gluon
+    """The compile calls of a Gluon config, plain and causal: the forward (kernels/fwd_gluon.py)
+    or the dK/dV + atomic dQ backward (kernels/bwd_gluon.py)."""
+    from .kernels import bwd_gluon, fwd_gluon
 
-    if config.family != Family.FWD:
-        raise ValueError(f"no Gluon kernel for family {config.family.value}")
     a = config.algorithm
     jobs = []
     for variant in ("plain", "causal"):
-        signature, constexprs, options = fwd_gluon.compile_spec(
-            TRITON_TYPES[dtype], config.signature.head_dim_max, a.block_m, a.block_n, a.num_stages,
-            causal=variant == "causal", pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG)
-        jobs.append((variant, CompileJob(f"{__package__}.kernels.fwd_gluon", "fwd_ws_kernel",
-                                         tuple(signature.items()), tuple(constexprs.items()),
-                                         options["num_warps"], 1, "gluon", options["maxnreg"])))
+        args = (TRITON_TYPES[dtype], config.signature.head_dim_max, a.block_m, a.block_n, a.num_stages)
+        if config.family == Family.FWD:
+            module, kernel = fwd_gluon, "fwd_ws_kernel"
+            signature, constexprs, options = fwd_gluon.compile_spec(
+                *args, causal=variant == "causal", pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG)
+        elif config.family == Family.BWD_DQ_DK_DV:
+            module, kernel = bwd_gluon, "bwd_dkdv_kernel"
+            signature, constexprs, options = bwd_gluon.compile_spec(*args, causal=variant == "causal")
+        else:
+            raise ValueError(f"no Gluon kernel for family {config.family.value}")
+        jobs.append((variant, CompileJob(module.__name__, kernel, tuple(signature.items()),
+                                         tuple(constexprs.items()), options["num_warps"], 1, "gluon",
+                                         options.get("maxnreg"))))
     return jobs
 
 

@@ -146,6 +146,16 @@ def _gluon_fwd_config(head_dim, block_n, stages, pipeline, notes):
         Algorithm(128, block_n, 4, stages, pipeline=pipeline), notes=notes)
 
 
+def _gluon_bwd_config(head_dim, stages, notes):
+    """A Hopper Gluon dK/dV (+ atomic dQ) config (kernels/bwd_gluon.py): 128 keys x 64 queries,
+    8 warps. Atomics: not for deterministic problems."""
+    return KernelConfig(
+        Signature(Family.BWD_DQ_DK_DV, (DType.FP16, DType.BF16), ("sm90",), head_dim, head_dim,
+                  frozenset({Feature.MASK, Feature.GQA}), head_dims=(head_dim,),
+                  sliding_window=False, needs_tma=True),
+        Algorithm(64, 128, 8, stages, pipeline=Pipeline.GLUON), notes=notes)
+
+
 def _family_configs(family, rows):
     return [_config(family, *row) for row in rows]
 
@@ -182,6 +192,8 @@ def default_registry() -> Registry:
     configs += _family_configs(Family.BWD_DOT_DO_O, [
         (every, cuda, 256, 64, 16, 4, 1), (with_fp64, cpu, 256, 32, 16, 4, 1)])
     # dK/dV: block_n is the program's key tile, block_m the query tile it loops over.
+    configs += [_gluon_bwd_config(64, 3, "FA3-style backward: wgmma, TMA ring, dQ by atomics"),
+                _gluon_bwd_config(128, 2, "FA3-style backward: wgmma, TMA ring, dQ by atomics")]
     configs += _family_configs(Family.BWD_DQ_DK_DV, [
         # H200, 2026-11-29: m32 n64 w4 s3 runs 256/223 TFLOP/s (m64 n128 w8 s2: 152/116), but
         # with block_m=32 dK is not bitwise reproducible run to run even without atomics

@@ -1,0 +1,218 @@
+"""Backward dK/dV (+ dQ by atomics) for Hopper in Gluon (family `bwd_dq_dk_dv`, pipeline `gluon`).
+
+One program per (batch, KV head, 128-key tile), 8 warps (two warpgroups of 64 key rows).
+K and V stay in shared memory; Q and dO tiles of 64 query rows stream through a ring of
+TMA stages, over every query head of the KV head's group. Per query tile, with wgmma:
+
+    S^T = K Q^T,  dP^T = V dO^T                     (both from shared memory)
+    P^T = exp2(S^T * scale*log2(e) - LSE*log2(e)),  dS^T = P^T * (dP^T - delta)
+    dV += P^T dO,  dK += dS^T Q                     (P^T, dS^T from registers)
+    dQ_acc += dS K                                  (dS^T through shared memory; fp32 atomics)
+
+dK is scaled by the softmax scale at the end; dQ_acc is converted (and scaled) by the
+`bwd_convert_dq` kernel as for the Triton path. Scope: fp16/bf16, Dqk == Dv in {64, 128},
+no mask or causal in either alignment, GQA; TMA-aligned bhsd/bshd views.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E = gl.constexpr(1.4426950408889634)
+NUM_WARPS = gl.constexpr(8)
+
+
+@gluon.constexpr_function
+def _acc_layout(rows, cols, num_warps):
+    """wgmma accumulator layout of a [rows, cols] tile: warps down the rows first."""
+    wm = min(num_warps, rows // 16)
+    wn = num_warps // wm
+    n = 256
+    while n > cols // wn or (cols // wn) % n != 0:
+        n -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it, m_start, n_m, hq0, b, BLOCK_M: gl.constexpr,
+               STAGES: gl.constexpr):
+    """TMA loads of the Q and dO tiles of iteration `it` (query head, query tile) into its stage."""
+    stage = it % STAGES
+    h = hq0 + it // n_m
+    m0 = (m_start + it % n_m) * BLOCK_M
+    bar = ready.index(stage)
+    mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], bar, q_smem.index(stage).reshape(q_desc.block_type.shape))
+    tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], bar, do_smem.index(stage).reshape(do_desc.block_type.shape))
+
+
+@gluon.jit
+def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+                    stride_lb, stride_lh, stride_lm,
+                    stride_dqb, stride_dqh, stride_dqm,
+                    stride_dkb, stride_dkh, stride_dkn,
+                    stride_dvb, stride_dvh, stride_dvn,
+                    seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale,
+                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    st_layout: gl.constexpr = _acc_layout(BLOCK_N, BLOCK_M, NUM_WARPS)  # S^T, dP^T: keys x queries
+    kv_layout: gl.constexpr = _acc_layout(BLOCK_N, HEAD_DIM, NUM_WARPS)  # dK, dV
+    dq_layout: gl.constexpr = _acc_layout(BLOCK_M, HEAD_DIM, NUM_WARPS)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+
+    num_n = gl.cdiv(seqlen_k, BLOCK_N)
+    pid = gl.program_id(0)
+    bh = pid // num_n
+    n0 = (pid % num_n) * BLOCK_N
+    b = bh // nheads_k
+    hk = bh % nheads_k
+    hq0 = hk * group
+    # Query tiles that see this key tile: causal rows i see keys j <= i + diag.
+    m_start = 0
+    if CAUSAL:
+        m_start = gl.maximum(n0 - diag, 0) // BLOCK_M
+    n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_start, 0)
+    total = group * n_m
+
+    kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_smem_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem.reshape(k_desc.block_type.shape))
+    tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem.reshape(v_desc.block_type.shape))
+    for i in gl.static_range(STAGES - 1):
+        if i < total:
+            _load_tile(q_desc, do_desc, q_smem, do_smem, ready, i, m_start, n_m, hq0, b, BLOCK_M, STAGES)
+
+    keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    dq_rows_base = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+    mbarrier.wait(kv_bar, 0)
+    for it in range(total):
+        stage = it % STAGES
+        h = hq0 + it // n_m
+        m0 = (m_start + it % n_m) * BLOCK_M
+        q_tile = q_smem.index(stage)
+        do_tile = do_smem.index(stage)
+        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+        st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+        q_ok = queries < seqlen_q
+        row_stats = b.to(gl.int64) * stride_lb + h * stride_lh + queries * stride_lm
+        # Queries past the end: LSE +inf gives P = 0.
+        lse2 = gl.load(lse_ptr + row_stats, mask=q_ok, other=float("inf")) * LOG2E
+        delta = gl.load(delta_ptr + row_stats, mask=q_ok, other=0.0)
+        st = warpgroup_mma_wait(1, deps=(st,))
+        pt = gl.exp2(st * qk_scale - lse2[None, :])
+        need_mask = n0 + BLOCK_N > seqlen_k
+        if CAUSAL:
+            need_mask = need_mask | (m0 + diag < n0 + BLOCK_N - 1)
+        if need_mask:
+            ok = keys[:, None] < seqlen_k
+            if CAUSAL:
+                ok = ok & (keys[:, None] <= queries[None, :] + diag)
+            pt = gl.where(ok, pt, 0.0)
+        dpt = warpgroup_mma_wait(0, deps=(dpt,))
+        dst = pt * (dpt - delta[None, :])
+        pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+        dst16 = dst.to(dtype)
+        dst_op = gl.convert_layout(dst16, a_layout)
+        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+        dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+        ds_buf = ds_smem.index(it % 2)
+        ds_buf.store(dst16)
+        fence_async_shared()
+        gl.thread_barrier()  # dS^T complete in shared memory; every warp is past iteration it-1
+        if it + STAGES - 1 < total:  # the stage of iteration it-1 is free: prefetch ahead
+            _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it + STAGES - 1, m_start, n_m, hq0, b,
+                       BLOCK_M, STAGES)
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        dq_rows = m0 + dq_rows_base
+        dq_offs = (b.to(gl.int64) * stride_dqb + h * stride_dqh + dq_rows[:, None] * stride_dqm
+                   + dq_cols[None, :])
+        gl.atomic_add(dq_ptr + dq_offs, dq, mask=(dq_rows < seqlen_q)[:, None], sem="relaxed")
+
+    kv_rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    kv_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    kv_ok = (kv_rows < seqlen_k)[:, None]
+    gl.store(dk_ptr + b.to(gl.int64) * stride_dkb + hk * stride_dkh + kv_rows[:, None] * stride_dkn
+             + kv_cols[None, :], (dk * scale).to(dtype), mask=kv_ok)
+    gl.store(dv_ptr + b.to(gl.int64) * stride_dvb + hk * stride_dvh + kv_rows[:, None] * stride_dvn
+             + kv_cols[None, :], dv.to(dtype), mask=kv_ok)
+
+
+def _descriptor(t, block_rows: int):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    element = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(t.dtype)]
+    block = [1, 1, block_rows, t.shape[-1]]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, element))
+
+
+def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_bottom_right: bool,
+                scale: float, block_m: int, block_n: int, num_stages: int) -> None:
+    """(B, H, S, D) views; lse/delta (B, Hq, Sq) fp32; dq_acc fp32 (B, Hq, Sq, D) view, zeroed."""
+    batch, nheads_q, seqlen_q, head_dim = q.shape
+    nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    assert lse.stride() == delta.stride()
+    diag = seqlen_k - seqlen_q if align_bottom_right else 0
+    grid = (triton.cdiv(seqlen_k, block_n) * batch * nheads_k,)
+    bwd_dkdv_kernel[grid](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
+        lse, delta, dq_acc, dk, dv, *lse.stride(), *dq_acc.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+        seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale,
+        CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
+        num_warps=NUM_WARPS.value,
+    )
+
+
+def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
+                 causal: bool) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, options) of `bwd_dkdv_kernel` as `launch_dkdv` calls it."""
+    element = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
+
+    def descriptor(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], element)
+        return f"tensordesc<{dtype}[1,1,{rows},{head_dim}],{layout!r}>"
+
+    signature = {"q_desc": descriptor(block_m), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
+                 "do_desc": descriptor(block_m), "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32",
+                 "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}"}
+    for name in ("stride_lb", "stride_lh", "stride_lm", "stride_dqb", "stride_dqh", "stride_dqm",
+                 "stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb", "stride_dvh", "stride_dvn",
+                 "seqlen_q", "seqlen_k", "nheads_k", "group", "diag"):
+        signature[name] = "i32"
+    signature.update(qk_scale="fp32", scale="fp32")
+    constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages)
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return signature, constexprs, {"num_warps": NUM_WARPS.value}

@@ -1,0 +1,87 @@
+"""Backward side by side: fmha (Gluon dK/dV where the dispatcher picks it), fmha with the
+Triton dK/dV (a registry without Gluon backward configs), SDPA cuDNN and SDPA flash.
+
+Times the backward only (autograd.grad with the graph retained), B=4 H=16, S 4096/8192,
+D 64/128, bf16, causal and not, plus GQA 4x32/8 at 8192. Contenders alternate per round.
+
+    PYTHONPATH=src python tools/bench_gluon_bwd.py [--rounds N] [--quick]   ($OUT/bench_gluon_bwd.json)
+"""
+
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fmha
+from fmha import Registry, default_registry
+from fmha.configs import Family
+from fmha.dispatcher import Dispatcher
+
+TRITON_BWD = Dispatcher(Registry([c for c in default_registry()
+                                  if not (c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon)],
+                                 name="no-gluon-bwd"))
+
+
+def main() -> int:
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
+    quick = "--quick" in sys.argv
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shapes = [(4, 16, 16, s, d, c) for s in ((4096,) if quick else (4096, 8192)) for d in (64, 128)
+              for c in (False, True)]
+    shapes += [(4, 32, 8, 8192, 128, c) for c in (False, True)]
+    rows = []
+    for b, hq, hk, s, d, causal in shapes:
+        torch.manual_seed(0)
+        q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        do = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+        flops = 2.5 * 4.0 * b * hq * s * s * d / (2 if causal else 1)
+        extra = {"enable_gqa": True} if hq != hk else {}
+        graphs, grads, times = {}, {}, {}
+        for name in ("fmha", "fmha_triton", "cudnn", "flash"):
+            fmha.set_dispatcher(TRITON_BWD if name == "fmha_triton" else None)
+            if name.startswith("fmha"):
+                o = fmha.attention(q, k, v, causal=causal)
+            else:
+                backend = SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION
+                with sdpa_kernel(backend):
+                    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, **extra)
+            graphs[name] = o
+            grads[name] = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+            times[name] = []
+        fmha.set_dispatcher(None)
+        diffs = {n: max((a.float() - r.float()).abs().max().item() for a, r in zip(g, grads["cudnn"], strict=True))
+                 for n, g in grads.items()}
+        for _ in range(rounds):
+            for name, o in graphs.items():
+                fmha.set_dispatcher(TRITON_BWD if name == "fmha_triton" else None)
+                times[name].append(triton.testing.do_bench(
+                    lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), warmup=25, rep=100))
+            fmha.set_dispatcher(None)
+        tflops = {n: flops / (statistics.median(t) * 1e-3) / 1e12 for n, t in times.items()}
+        row = {"shape": f"B={b} Hq={hq} Hk={hk} S={s} D={d} {'causal' if causal else 'full'}", "tflops": tflops,
+               "max_abs_diff_vs_cudnn": diffs}
+        rows.append(row)
+        line = " ".join(f"{n}={t:.0f}" for n, t in sorted(tflops.items(), key=lambda x: -x[1]))
+        print(f"{row['shape']}: {line} | fmha/cudnn {tflops['fmha'] / tflops['cudnn']:.3f} "
+              f"| diffs {({n: round(x, 4) for n, x in diffs.items()})}", flush=True)
+        (out_dir / "bench_gluon_bwd.json").write_text(json.dumps(
+            {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+             "rows": rows}, indent=1))
+        del graphs, grads
+    for name in ("fmha", "fmha_triton", "flash"):
+        ratios = [r["tflops"][name] / r["tflops"]["cudnn"] for r in rows]
+        print(f"geomean {name}/cudnn: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
