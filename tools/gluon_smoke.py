@@ -37,7 +37,7 @@ def main() -> int:
         verdict = "ok" if ok else "WRONG"
         print(f"{b}x{hq}/{hk} sq={sq} sk={sk} d={d} causal={causal}: max err {err:.4f} {verdict} | {first}",
               flush=True)
-    for (b, hq, hk, s, d, causal) in [(1, 2, 1, 300, 300, 128, True), (2, 2, 2, 200, 200, 64, False)]:
+    for (b, hq, hk, s, d, causal) in [(1, 2, 1, 300, 128, True), (2, 2, 2, 200, 64, False)]:
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for h in (hq, hk, hk))
         do = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
