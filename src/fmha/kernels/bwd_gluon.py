@@ -29,6 +29,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 LOG2E = gl.constexpr(1.4426950408889634)
 NUM_WARPS = gl.constexpr(8)
+# Issue the next tile's S^T and dP^T before this tile's dQ atomics, so they overlap
+# (a module switch so that tools/bench_gluon_bwd.py can time both schedules).
+OVERLAP_NEXT_TILE = True
 
 
 @gluon.constexpr_function
@@ -63,7 +66,7 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr,
                     stride_dvb, stride_dvh, stride_dvn,
                     seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale,
                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     st_layout: gl.constexpr = _acc_layout(BLOCK_N, BLOCK_M, NUM_WARPS)  # S^T, dP^T: keys x queries
     kv_layout: gl.constexpr = _acc_layout(BLOCK_N, HEAD_DIM, NUM_WARPS)  # dK, dV
@@ -115,15 +118,25 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr,
     dq_rows_base = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
     mbarrier.wait(kv_bar, 0)
+    if OVERLAP:  # S^T and dP^T of the first tile; later ones are issued a tile ahead
+        mbarrier.wait(ready.index(0), 0, pred=total > 0)
+        st = warpgroup_mma(k_smem, q_smem.index(0).permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_smem.index(0).permute((1, 0)), st_zero, use_acc=False, is_async=True)
     for it in range(total):
         stage = it % STAGES
         h = hq0 + it // n_m
         m0 = (m_start + it % n_m) * BLOCK_M
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
-        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-        st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        if OVERLAP:
+            gl.thread_barrier()  # every warp is past iteration it-1: its stage is free
+            if it + STAGES - 1 < total:
+                _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it + STAGES - 1, m_start, n_m, hq0, b,
+                           BLOCK_M, STAGES)
+        else:
+            mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+            st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
         q_ok = queries < seqlen_q
         row_stats = b.to(gl.int64) * stride_lb + h * stride_lh + queries * stride_lm
@@ -151,15 +164,25 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr,
         ds_buf.store(dst16)
         fence_async_shared()
         gl.thread_barrier()  # dS^T complete in shared memory; every warp is past iteration it-1
-        if it + STAGES - 1 < total:  # the stage of iteration it-1 is free: prefetch ahead
-            _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it + STAGES - 1, m_start, n_m, hq0, b,
-                       BLOCK_M, STAGES)
+        if not OVERLAP:
+            if it + STAGES - 1 < total:  # the stage of iteration it-1 is free: prefetch ahead
+                _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it + STAGES - 1, m_start, n_m, hq0, b,
+                           BLOCK_M, STAGES)
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        if OVERLAP:  # the next tile's S^T and dP^T run on the tensor cores during the atomics
+            nxt = it + 1
+            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < total)
+            st = warpgroup_mma(k_smem, q_smem.index(nxt % STAGES).permute((1, 0)), st_zero, use_acc=False,
+                               is_async=True)
+            dpt = warpgroup_mma(v_smem, do_smem.index(nxt % STAGES).permute((1, 0)), st_zero, use_acc=False,
+                                is_async=True)
         dq_rows = m0 + dq_rows_base
         dq_offs = (b.to(gl.int64) * stride_dqb + h * stride_dqh + dq_rows[:, None] * stride_dqm
                    + dq_cols[None, :])
         gl.atomic_add(dq_ptr + dq_offs, dq, mask=(dq_rows < seqlen_q)[:, None], sem="relaxed")
+    if OVERLAP:  # the products issued after the last tile read stale stages: drain them
+        st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
 
     kv_rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     kv_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -192,7 +215,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
         lse, delta, dq_acc, dk, dv, *lse.stride(), *dq_acc.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale,
         CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-        num_warps=NUM_WARPS.value,
+        OVERLAP=OVERLAP_NEXT_TILE, num_warps=NUM_WARPS.value,
     )
 
 
@@ -213,6 +236,7 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
                  "seqlen_q", "seqlen_k", "nheads_k", "group", "diag"):
         signature[name] = "i32"
     signature.update(qk_scale="fp32", scale="fp32")
-    constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages)
+    constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
+                      OVERLAP=OVERLAP_NEXT_TILE)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs, {"num_warps": NUM_WARPS.value}
