@@ -138,9 +138,11 @@ FAMILY_KERNELS: dict[Family, KernelSpec] = {
     Family.BWD_DQ: KernelSpec(
         "bwd", "dq_kernel",
         pointers={**dict.fromkeys(("Q", "K", "V", "dO", "dQ"), IO),
-                  **dict.fromkeys(("LSE", "Delta", "Bias", "Alibi", "cu_seqlens_q", "cu_seqlens_k",
-                                   "seqused_k"), "fp32")},
-        floats=_ATTN_FLOATS, flags=_ATTENTION_FLAGS, causal=_CAUSAL, from_config=_TILES),
+                  **dict.fromkeys(("LSE", "Delta", "Bias", "Alibi", "dLSE", "dSinksRows", "Sinks",
+                                   "cu_seqlens_q", "cu_seqlens_k", "seqused_k"), "fp32")},
+        # DELTA_ONLY (the exact stage 1 for dbias/dsinks) compiles on first use
+        floats=_ATTN_FLOATS, flags=_ATTENTION_FLAGS + ("DELTA_ONLY", "HAS_DLSE", "HAS_SINKS"),
+        causal=_CAUSAL, from_config=_TILES),
     Family.BWD_CONVERT_DQ: KernelSpec(
         "bwd", "convert_dq_kernel", pointers={"dQacc": "fp32", "dQ": IO}, floats=frozenset({"scale"}),
         from_config={"BLOCK_R": "block_m", "BLOCK_D": "head_dim"}),
