@@ -186,7 +186,7 @@ def test_huge_logits_stay_finite_and_accurate(rng):
     assert torch.isfinite(numerics.torch_attention(q, k, v)[0]).all(), "baseline overflowed: the check would be void"
     o, lse = check_attention(q, k, v, truth="torch64")
     assert torch.isfinite(o).all() and torch.isfinite(lse).all() and lse.abs().max() > 1e3
-    grads = check_backward(q, k, v, causal=True, truth="torch64")
+    grads = check_backward(q, k, v, truth="torch64")
     assert all(torch.isfinite(g).all() for g in grads.values())
 
 
@@ -243,10 +243,10 @@ def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_zero_gradients(rng
 # The exact delta (dbias, dsinks) and determinism at GPU sizes.
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_dbias_broadcast_over_keys_is_zero_and_dsinks_accurate(rng, dtype):
+def test_dbias_broadcast_over_keys_is_zero_and_dsinks_accurate(rng):
     """A bias constant along the keys has gradient exactly 0; with delta from the rounded O
-    it came out ~1e-2 (bf16)."""
+    it came out ~1e-2 (bf16). (fp16: tests/test_properties.py on the CPU.)"""
+    dtype = torch.bfloat16
     B, H, S, D = 2, 8, 1024, 128
     q, k, v = (randn((B, H, S, D), dtype, rng, CUDA) for _ in range(3))
     bias = torch.zeros((B, H, S, 1), device=CUDA, requires_grad=True)
