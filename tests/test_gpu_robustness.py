@@ -235,7 +235,7 @@ def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_zero_gradients(rng
     dead = slice(0, Sq - Sk)
     assert torch.equal(o[:, :, dead], torch.zeros_like(o[:, :, dead]))
     assert torch.isneginf(lse[:, :, dead]).all() and torch.isfinite(lse[:, :, Sq - Sk:]).all()
-    grads = check_backward(q, k, v, causal=True, with_dlse=True, truth="torch64")
+    grads = check_backward(q, k, v, causal=True, with_dlse=True, truth="torch64")  # dlse of a -inf lse: 0
     assert torch.equal(grads["dq"][:, :, dead], torch.zeros_like(grads["dq"][:, :, dead]))
 
 
