@@ -44,10 +44,7 @@ def test_bias_gradient_is_reduced_over_broadcast_dims(rng, bias_shape):
     assert grads["dbias"].shape == shape[bias_shape]
 
 
-# dsinks (like dbias) comes from delta = rowsum(dO * O) with O rounded to the inputs' dtype, so
-# for fp16/bf16 it misses the 2x rule on some small random problems: a known limitation with a
-# strict xfail in test_properties.py. Sinks are checked here with fp32 inputs.
-@pytest.mark.parametrize("dtype,with_sinks", [(torch.float16, False), (torch.float32, True)])
+@pytest.mark.parametrize("dtype,with_sinks", [(torch.float16, False), (torch.float16, True), (torch.float32, True)])
 def test_alibi_softcap_sinks_gqa_and_dlse(rng, dtype, with_sinks):
     q, k, v = make_qkv(rng, batch=2, nhead_q=4, nhead_k=2, seqlen_q=33, seqlen_k=47,
                        head_dim=40, head_dim_v=24, dtype=dtype)
@@ -162,3 +159,29 @@ def test_fake_implementations_give_real_shapes(rng):
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
         fake_o, fake_lse = fmha.attention(fq, fk, fv, layout="bshd", return_lse=True)
     assert fake_o.shape == real_o.shape and fake_lse.shape == real_lse.shape
+
+
+def test_exact_delta_pass_only_when_bias_or_sinks_need_grad(rng):
+    """dbias/dsinks need delta = rowsum(P * dP) (stage 1 is the dQ kernel in its delta mode);
+    without their gradients the plan and the results are the plain ones."""
+    q, k, v = make_qkv(rng, batch=1, nhead_q=2, nhead_k=1, seqlen_q=20, seqlen_k=27, head_dim=16,
+                       dtype=torch.float16)
+    sinks, bias = randn((2,), torch.float32, rng), randn((20, 27), torch.float32, rng)
+    problem = fmha.problem_of(q, k, v, sinks=sinks, bias=bias)
+    dispatcher = fmha.get_dispatcher()
+    plain, exact = dispatcher.plan_backward(problem), dispatcher.plan_backward(problem, exact_delta=True)
+    assert [launch.family for launch in plain.launches][0] == fmha.Family.BWD_DOT_DO_O
+    assert exact.launches[0].family == fmha.Family.BWD_DQ and "rowsum(P * dP)" in exact.launches[0].why
+    assert exact.launches[1:] == plain.launches[1:]
+    assert "rowsum(P * dP)" in fmha.explain(q, k, v, sinks=sinks.clone().requires_grad_(), bias=bias)
+    assert "rowsum(P * dP)" not in fmha.explain(q.clone().requires_grad_(), k, v, sinks=sinks, bias=bias)
+
+    qq = q.clone().requires_grad_()
+    o = fmha.attention(qq, k, v, sinks=sinks, bias=bias)  # neither needs grad: dot_do_o
+    do = randn(o.shape, torch.float16, rng)
+    (dq_plain,) = torch.autograd.grad(o, qq, do)
+    s2, b2 = sinks.clone().requires_grad_(), bias.clone().requires_grad_()
+    o = fmha.attention(qq, k, v, sinks=s2, bias=b2)
+    dq_exact, dsinks, dbias = torch.autograd.grad(o, (qq, s2, b2), do)
+    assert dsinks.shape == sinks.shape and dbias.shape == bias.shape
+    assert (dq_plain.float() - dq_exact.float()).abs().max() < 2e-3  # same dq up to fp16 rounding

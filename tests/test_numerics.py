@@ -54,3 +54,28 @@ def test_rounding_slack_scales_with_dtype(rng):
     truth = randn((256,), torch.float64, rng)
     assert numerics.rounding_slack(truth, torch.bfloat16) > numerics.rounding_slack(truth, torch.float16) > 0
     assert numerics.rounding_slack(truth, torch.float32) < 1e-6
+
+
+def test_compare_never_passes_an_infinite_error_even_against_a_void_bound(rng):
+    truth = randn((8, 8), torch.float64, rng)
+    overflowed = truth.clone()
+    overflowed[1, 1] = float("inf")  # a baseline that overflowed: bound = inf
+    nan = truth.clone()
+    nan[2, 2] = float("nan")
+    c = numerics.compare("o", nan, truth, overflowed, torch.float16)
+    assert c.bound == float("inf") and not c.ok
+    nan_truth = truth.clone()
+    nan_truth[0, 0] = float("nan")
+    assert not numerics.compare("o", truth, nan_truth, nan_truth, torch.float16).ok
+
+
+def test_torch_truth_gradients_of_rows_that_see_nothing_are_zero_not_nan(rng):
+    """Sq > Sk, bottom-right causal: the first rows see no key. Their lse is -inf; its
+    gradient (dlse) and dO must give 0 there, not NaN through log(0)."""
+    q = randn((1, 2, 7, 8), torch.float64, rng).requires_grad_()
+    k, v = (randn((1, 2, 4, 8), torch.float64, rng).requires_grad_() for _ in range(2))
+    o, lse = numerics.torch_attention(q, k, v, compute_dtype=torch.float64, causal=True)
+    assert torch.isneginf(lse[:, :, :3]).all() and (o[:, :, :3] == 0).all()
+    grads = torch.autograd.grad((o, lse), (q, k, v), (torch.randn_like(o), torch.randn_like(lse)))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert (grads[0][:, :, :3] == 0).all()

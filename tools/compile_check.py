@@ -2,7 +2,7 @@
 
 Catches errors that only the compiler sees (types merging across branches, loop-carried
 types, shared-memory budgets are NOT checked: that needs the device). Usage:
-    PYTHONPATH=src python tools/compile_check.py
+    PYTHONPATH=src python tools/compile_check.py [kernel names, e.g. dq_kernel]
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ FLOATS = {"scale", "softcap", "dropout_p"}
 
 
 def main() -> int:
+    """Compile every kernel (or those named on the command line, e.g. dq_kernel)."""
+    only = set(sys.argv[1:])
     failures = 0
     flags = ["IS_VARLEN", "HAS_SEQUSED_K", "ALIGN_BOTTOM_RIGHT", "HAS_LEFT", "HAS_RIGHT",
              "HAS_SINK_TOKENS", "HAS_SOFTCAP", "HAS_BIAS", "HAS_ALIBI", "HAS_DROPOUT"]
@@ -62,21 +64,32 @@ def main() -> int:
                 (bwd.dkdv_kernel, {**combo, "WRITE_DBIAS": combo["HAS_BIAS"], "DQ_ATOMIC": not combo["HAS_BIAS"],
                                    "DOT_PRECISION": "ieee", "BLOCK_M": bm // 2, "BLOCK_N": bn * 2 if d <= 128 else bn,
                                    "BLOCK_DQK": d, "BLOCK_DV": d}),
-                (bwd.dq_kernel, {**combo, "DOT_PRECISION": "ieee", "BLOCK_M": bm, "BLOCK_N": bn,
+                (bwd.dq_kernel, {**combo, "DELTA_ONLY": False, "HAS_DLSE": False, "HAS_SINKS": False,
+                                 "DOT_PRECISION": "ieee", "BLOCK_M": bm, "BLOCK_N": bn,
+                                 "BLOCK_DQK": d, "BLOCK_DV": d}),
+                # the exact delta pass (dbias / dsinks wanted)
+                (bwd.dq_kernel, {**combo, "DELTA_ONLY": True, "HAS_DLSE": True, "HAS_SINKS": combo["HAS_BIAS"],
+                                 "DOT_PRECISION": "ieee", "BLOCK_M": bm, "BLOCK_N": bn,
                                  "BLOCK_DQK": d, "BLOCK_DV": d}),
                 (bwd.dot_do_o_kernel, {"IS_VARLEN": combo["IS_VARLEN"], "HAS_DLSE": True,
                                        "HAS_SINKS": combo["HAS_BIAS"], "BLOCK_M": 64, "BLOCK_DV": d}),
             ]
             for kernel, constexprs in jobs:
+                if only and kernel.fn.__name__ not in only:
+                    continue
                 t = time.time()
                 try:
                     shared, _ = compile_one(kernel, ptr, FLOATS, constexprs, w, s)
                     print(f"ok   {kernel.fn.__name__:<16} {dt} d{d} m{bm} n{bn} w{w} s{s} "
+                          f"{'delta-only ' if constexprs.get('DELTA_ONLY') else ''}"
                           f"flags={sum(v is True for v in combo.values())} smem={shared} "
                           f"({time.time() - t:.1f}s)")
                 except Exception as e:  # report every failure, keep going
                     failures += 1
                     print(f"FAIL {kernel.fn.__name__} {dt} d{d} {constexprs}: {str(e)[:2000]}")
+    if only:
+        print(f"{failures} failures")
+        return 1 if failures else 0
     shared, _ = compile_one(dropout.dropout_mask_kernel, {"Mask": "i8"}, {"dropout_p"},
                             {"BLOCK_M": 64, "BLOCK_N": 64}, 4, 1)
     print("ok   dropout_mask_kernel")

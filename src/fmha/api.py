@@ -260,21 +260,26 @@ def _(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
 
 @torch.library.custom_op("fmha::bwd", mutates_args=())
 def _bwd_op(
-    do: Tensor, dlse: Tensor | None, o: Tensor, lse: Tensor, want_dbias: bool,
+    do: Tensor, dlse: Tensor | None, o: Tensor, lse: Tensor, want_dbias: bool, want_dsinks: bool,
     q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None,
     sinks: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
     seqused_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, layout: str,
     scale: float | None, causal: bool, window_left: int, window_right: int, mask_align: str,
     sink_size: int, softcap: float, dropout_p: float, seed: int, offset: int, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv in the inputs' layouts; dbias in bias' shape or empty; dsinks or empty)."""
+    """(dq, dk, dv in the inputs' layouts; dbias in bias' shape or empty; dsinks or empty).
+
+    With dbias or dsinks wanted, stage 1 computes delta exactly (`launch_delta`, one more
+    QK^T and dO V^T pass) instead of from the rounded O (`launch_dot_do_o`)."""
     args = dict(zip(_OP_ARGS, (bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
                                window_right, mask_align, sink_size, softcap, dropout_p, seed,
                                offset, deterministic), strict=True))
     prep = _prepare(q, k, v, **args)
     problem = prep.problem
-    plan = _plan_backward(problem)
+    want_dsinks = want_dsinks and sinks is not None
+    exact_delta = want_dbias or want_dsinks
+    plan = _plan_backward(problem, exact_delta)
     kernels = family_module("bwd", interpreted=q.device.type == "cpu")
     varlen = problem.varlen
     dq, dq_view, delta = _alloc_like(q, q.shape[-1], varlen, layout)
@@ -283,7 +288,7 @@ def _bwd_op(
     if seqused_k is not None:  # keys past seqused_k belong to no program: their gradient is 0
         dk.zero_()
         dv.zero_()
-    dsinks_rows = torch.empty_like(delta) if sinks is not None else None
+    dsinks_rows = torch.empty_like(delta) if want_dsinks else None
     shared = _kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
                           seed, offset)
     dbias_full = None
@@ -292,9 +297,13 @@ def _bwd_op(
                                  dtype=_stats_dtype(q), device=q.device)
     o_view, do_view = _kernel_view(o, prep), _kernel_view(do, prep)
     with _device_guard(q):
-        kernels.launch_dot_do_o(o_view, do_view, lse, delta, dlse=dlse, sinks=sinks,
-                                dsinks_rows=dsinks_rows, **shared,
-                                **_algo(plan.config(Family.BWD_DOT_DO_O)))
+        if exact_delta:
+            kernels.launch_delta(prep.q, prep.k, prep.v, do_view, lse, delta, dlse=dlse,
+                                 sinks=sinks if want_dsinks else None, dsinks_rows=dsinks_rows,
+                                 **shared, **_algo(plan.config(Family.BWD_DQ)))
+        else:
+            kernels.launch_dot_do_o(o_view, do_view, lse, delta, dlse=dlse, **shared,
+                                    **_algo(plan.config(Family.BWD_DOT_DO_O)))
         if problem.deterministic:
             kernels.launch_dkdv(prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view,
                                 dbias=dbias_full, **shared, **_algo(plan.config(Family.BWD_DQ_DK_DV)))
@@ -322,7 +331,7 @@ def _bwd_op(
     if want_dbias:
         dbias = _reduce_to(dbias_full, bias).to(bias.dtype)
     dsinks = q.new_empty(0)
-    if sinks is not None:  # per-row shares (B, Hq, Sq) or (Hq, total_q), summed per head
+    if want_dsinks:  # per-row shares (B, Hq, Sq) or (Hq, total_q), summed per head
         head_axis = 0 if varlen else 1
         dsinks = dsinks_rows.sum(dim=tuple(i for i in range(dsinks_rows.dim()) if i != head_axis))
         dsinks = dsinks.to(sinks.dtype)
@@ -338,9 +347,9 @@ def _reduce_to(grad: Tensor, like: Tensor) -> Tensor:
 
 
 @_bwd_op.register_fake
-def _(do, dlse, o, lse, want_dbias, q, k, v, bias, alibi_slopes, sinks, *rest):
+def _(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_slopes, sinks, *rest):
     dbias = torch.empty_like(bias) if want_dbias else q.new_empty(0)
-    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty(0)
+    dsinks = torch.empty_like(sinks) if want_dsinks and sinks is not None else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias, dsinks
 
 
@@ -353,11 +362,12 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k = ctx.saved_tensors
     want_dbias = bias is not None and ctx.needs_input_grad[3]
+    want_dsinks = sinks is not None and ctx.needs_input_grad[5]
     dq, dk, dv, dbias, dsinks = _bwd_op(
         grad_o.contiguous() if grad_o.stride(-1) != 1 else grad_o, grad_lse, o, lse, want_dbias,
-        q, k, v, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k, *ctx.scalars)
+        want_dsinks, q, k, v, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k, *ctx.scalars)
     return (dq, dk, dv, dbias if want_dbias else None, None,
-            dsinks if sinks is not None else None) + (None,) * (len(ctx.scalars) + 3)
+            dsinks if want_dsinks else None) + (None,) * (len(ctx.scalars) + 3)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -399,8 +409,8 @@ def _(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, layout, dropout_p, seed
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_backward(problem: Problem) -> Plan:
-    return get_dispatcher().plan_backward(problem)
+def _plan_backward(problem: Problem, exact_delta: bool = False) -> Plan:
+    return get_dispatcher().plan_backward(problem, exact_delta=exact_delta)
 
 
 class _device_guard:
@@ -556,9 +566,10 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
     problem = problem_of(q, k, v, **kwargs)
     dispatcher = get_dispatcher()
     requires_grad = any(t.requires_grad for t in (q, k, v))
+    exact_delta = any(isinstance(t, Tensor) and t.requires_grad for t in (kwargs.get("bias"), kwargs.get("sinks")))
     plans = [dispatcher.plan_forward(problem)]
-    if requires_grad:
-        plans.append(dispatcher.plan_backward(problem))
+    if requires_grad or exact_delta:
+        plans.append(dispatcher.plan_backward(problem, exact_delta=exact_delta))
     return "\n".join([*(plan.describe() for plan in plans), "",
                       dispatcher.explain(problem, Family.FWD)])
 

@@ -74,13 +74,19 @@ class Dispatcher:
         families = [Family.FWD] + ([Family.DROPOUT_MASK] if return_dropout_mask else [])
         return self._plan(problem, families)
 
-    def plan_backward(self, problem: Problem) -> Plan:
-        """Three stages; dQ by atomics + convert, or by its own pass when deterministic."""
-        if problem.deterministic:
-            families = [Family.BWD_DOT_DO_O, Family.BWD_DQ_DK_DV, Family.BWD_DQ]
-        else:
-            families = [Family.BWD_DOT_DO_O, Family.BWD_DQ_DK_DV, Family.BWD_CONVERT_DQ]
-        return self._plan(problem, families)
+    def plan_backward(self, problem: Problem, *, exact_delta: bool = False) -> Plan:
+        """Three stages; dQ by atomics + convert, or by its own pass when deterministic.
+
+        exact_delta (dbias or dsinks wanted): stage 1 is the dQ kernel in its delta mode
+        (rowsum(P * dP) from recomputed tiles) instead of bwd_dot_do_o (rowsum(dO * O))."""
+        first = Family.BWD_DQ if exact_delta else Family.BWD_DOT_DO_O
+        last = Family.BWD_DQ if problem.deterministic else Family.BWD_CONVERT_DQ
+        plan = self._plan(problem, [first, Family.BWD_DQ_DK_DV, last])
+        if exact_delta:
+            delta = plan.launches[0]
+            why = f"delta = rowsum(P * dP) for dbias/dsinks; {delta.why}"
+            plan = Plan(problem, (Launch(delta.family, delta.config, why),) + plan.launches[1:])
+        return plan
 
     def plan_kvcache(self, problem: Problem, *, append: bool, num_splits: int) -> Plan:
         """Append new keys/values (and RoPE) if asked, attention over the cache, merge splits."""

@@ -65,8 +65,11 @@ def torch_attention(q, k, v, *, compute_dtype=None, scale=None, causal=False, wi
     denom = e.sum(-1, keepdim=True)
     if sinks is not None:
         denom = denom + torch.exp(sink - m)
-    lse = torch.where(denom == 0, torch.full_like(denom, float("-inf")), torch.log(denom) + m)
-    p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
+    # rows that see nothing: lse -inf, p 0; log/divide a safe denominator so that their
+    # gradients are 0, not NaN (where() alone passes 0 * inf = NaN back through log(0))
+    safe = torch.where(denom == 0, torch.ones_like(denom), denom)
+    lse = torch.where(denom == 0, torch.full_like(denom, float("-inf")), torch.log(safe) + m)
+    p = e / safe
     if dropout_p > 0:
         p = p * dropout_mask.to(acc) / (1.0 - dropout_p)
     o = torch.matmul(p.to(dt), v)
@@ -82,7 +85,9 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        return self.error <= self.bound
+        # an infinite error (NaN or inf where the truth differs) never passes, even against
+        # an infinite bound (a baseline that overflowed would make the check void)
+        return math.isfinite(self.error) and self.error <= self.bound
 
     def __str__(self) -> str:
         verdict = "ok" if self.ok else "FAIL"

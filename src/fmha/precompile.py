@@ -23,7 +23,10 @@ oversized kernel fails in seconds instead of going through ptxas.
 A small JSON record (by default `fmha_build_record.json` in Triton's cache directory)
 remembers what was built, keyed by config name, dtype, Triton version, target and a
 fingerprint of the kernel source and compile arguments; entries found there are
-reported "cached" and not compiled again. Triton's own cache keeps the binaries.
+reported "cached" and not compiled again. Triton's own cache keeps the binaries; the
+record names each kernel's cache entry, and a recorded build whose entry is gone or
+damaged (fmha.kernel_cache.entry_problems: unreadable JSON, truncated cubin) is compiled
+again, as is a kernel that Triton's cache hands back damaged (Triton itself does not look).
 
 Limitation: Triton's runtime specialises each launch on its arguments (16-byte
 divisibility of integers, value 1, 64-bit integers), which this build cannot know in
@@ -42,6 +45,7 @@ import os
 import queue
 import re
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -138,9 +142,11 @@ FAMILY_KERNELS: dict[Family, KernelSpec] = {
     Family.BWD_DQ: KernelSpec(
         "bwd", "dq_kernel",
         pointers={**dict.fromkeys(("Q", "K", "V", "dO", "dQ"), IO),
-                  **dict.fromkeys(("LSE", "Delta", "Bias", "Alibi", "cu_seqlens_q", "cu_seqlens_k",
-                                   "seqused_k"), "fp32")},
-        floats=_ATTN_FLOATS, flags=_ATTENTION_FLAGS, causal=_CAUSAL, from_config=_TILES),
+                  **dict.fromkeys(("LSE", "Delta", "Bias", "Alibi", "dLSE", "dSinksRows", "Sinks",
+                                   "cu_seqlens_q", "cu_seqlens_k", "seqused_k"), "fp32")},
+        # DELTA_ONLY (the exact stage 1 for dbias/dsinks) compiles on first use
+        floats=_ATTN_FLOATS, flags=_ATTENTION_FLAGS + ("DELTA_ONLY", "HAS_DLSE", "HAS_SINKS"),
+        causal=_CAUSAL, from_config=_TILES),
     Family.BWD_CONVERT_DQ: KernelSpec(
         "bwd", "convert_dq_kernel", pointers={"dQacc": "fp32", "dQ": IO}, floats=frozenset({"scale"}),
         from_config={"BLOCK_R": "block_m", "BLOCK_D": "head_dim"}),
@@ -252,6 +258,8 @@ class KernelBuild:
     shared: int | None = None  # bytes; None when the compiler failed before knowing
     seconds: float = 0.0
     error: str | None = None
+    entry: str | None = None  # its Triton cache directory
+    repaired: str | None = None  # a damaged cache entry found, evicted and rebuilt
 
 
 @dataclass
@@ -407,33 +415,74 @@ def first_lines(text: str, lines: int = 8, chars: int = 1200) -> str:
     return out if len(out) <= chars else out[: chars - 3] + "..."
 
 
+def _compile_checked(job: CompileJob, target: Any, limit: int) -> tuple[Any, str | None]:
+    """triton.compile, not trusting Triton's cache: a damaged entry (see fmha.kernel_cache)
+    is evicted and the kernel compiled again, once. Returns (compiled, what was repaired)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from . import kernel_cache
+
+    fn = getattr(importlib.import_module(job.module), job.kernel)
+    signature = dict(job.signature)
+    pointers = [i for i, (_, kind) in enumerate(job.signature) if kind.startswith("*")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}  # torch allocations are aligned
+    options = {"num_warps": job.num_warps, "num_stages": job.num_stages}
+    source = ASTSource
+    if job.language == "gluon":
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        source = GluonASTSource
+        options = {"num_warps": job.num_warps, "maxnreg": job.maxnreg}
+
+    def compile_once() -> Any:
+        with _shared_memory_guard(limit):
+            return triton.compile(source(fn, signature, dict(job.constexprs), attrs), target=target,
+                                  options=options)
+
+    repaired = None
+    try:
+        compiled = compile_once()
+    except SharedMemoryExceeded:
+        raise
+    except Exception:  # a damaged metadata or group file fails inside triton.compile
+        damaged = kernel_cache.scan()
+        if not damaged:
+            raise
+        repaired = "; ".join(f"{e}: {', '.join(p)}" for e, p in damaged.items())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", kernel_cache.CorruptCacheWarning)
+            kernel_cache.evict(damaged, "compiled again")
+        compiled = compile_once()
+    entry = _entry_of(compiled)
+    problems = kernel_cache.entry_problems(entry) if entry is not None else []
+    if problems:  # a cache hit on a damaged binary: Triton does not look
+        repaired = f"{entry}: {', '.join(problems)}"
+        shutil.rmtree(entry, ignore_errors=True)
+        compiled = compile_once()
+    return compiled, repaired
+
+
+def _entry_of(compiled: Any) -> Path | None:
+    """The Triton cache directory a compiled kernel was stored in (or loaded from)."""
+    paths = list(getattr(compiled, "metadata_group", {}).values())
+    return Path(paths[0]).parent if paths else None
+
+
 def compile_job(job: CompileJob, target: Any, limit: int) -> dict[str, Any]:
     """Compile one job (what a worker process runs); never raises.
 
-    Returns {"shared": bytes or None, "seconds": float, "error": str or None}; a kernel over
-    the shared-memory limit comes back with its need in "shared" and no error.
+    Returns {"shared": bytes or None, "seconds": float, "error": str or None, "entry": the
+    Triton cache directory, "repaired": what damaged cache entry was rebuilt, or None}; a
+    kernel over the shared-memory limit comes back with its need in "shared" and no error.
     """
     start = time.perf_counter()
     try:
-        import triton
-        from triton.compiler import ASTSource
-
-        fn = getattr(importlib.import_module(job.module), job.kernel)
-        signature = dict(job.signature)
-        pointers = [i for i, (_, kind) in enumerate(job.signature) if kind.startswith("*")]
-        attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}  # torch allocations are aligned
-        options = {"num_warps": job.num_warps, "num_stages": job.num_stages}
-        if job.language == "gluon":
-            from triton.experimental.gluon._runtime import GluonASTSource
-
-            src = GluonASTSource(fn, signature, dict(job.constexprs), attrs)
-            options = {"num_warps": job.num_warps, "maxnreg": job.maxnreg}
-        else:
-            src = ASTSource(fn, signature, dict(job.constexprs), attrs)
-        with _shared_memory_guard(limit):
-            compiled = triton.compile(src, target=target, options=options)
+        compiled, repaired = _compile_checked(job, target, limit)
         shared = int(compiled.metadata.shared)
-        return {"shared": shared, "seconds": time.perf_counter() - start, "error": None}
+        entry = _entry_of(compiled)
+        return {"shared": shared, "seconds": time.perf_counter() - start, "error": None,
+                "entry": None if entry is None else str(entry), "repaired": repaired}
     except SharedMemoryExceeded as e:
         return {"shared": e.shared, "seconds": time.perf_counter() - start, "error": None}
     except Exception as e:  # report the compiler's message, keep building the others
@@ -640,6 +689,29 @@ class _Entry:
     result: BuildResult
 
 
+def _stale(item: _Entry, recorded: Mapping[str, Any]) -> bool:
+    """True (and item.result.message says why) when a recorded build cannot be trusted: a
+    kernel's Triton cache entry is not named, is gone, or is damaged (then it is evicted)."""
+    from . import kernel_cache
+
+    why = []
+    for kernel in recorded.get("kernels", []):
+        entry = kernel.get("entry") if isinstance(kernel, dict) else None
+        if not entry:
+            why.append(f"{kernel.get('variant') if isinstance(kernel, dict) else kernel}: the record "
+                       f"does not name its Triton cache entry")
+        elif not Path(entry).is_dir():
+            why.append(f"{entry}: Triton cache entry is gone")
+        else:
+            problems = kernel_cache.entry_problems(Path(entry))
+            if problems:
+                why.append(f"{entry}: damaged Triton cache entry ({', '.join(problems)}), evicted")
+                shutil.rmtree(entry, ignore_errors=True)
+    if why:
+        item.result.message = "recorded build not trusted, compiled again: " + "; ".join(why)
+    return bool(why)
+
+
 def _as_enums(values: Iterable[Any] | None, enum: Any, what: str) -> set[Any] | None:
     if values is None:
         return None
@@ -705,12 +777,16 @@ def _plan(registry: Registry, arch: str, target: Any, limit: int, families: set[
 def _finish(entry: _Entry, outcomes: Mapping[CompileJob, dict[str, Any]], arch: str, limit: int) -> None:
     """Fill entry.result from the outcomes of its jobs."""
     result = entry.result
-    problems = []
+    problems: list[str] = []
+    notes: list[str] = [result.message] if result.message else []
     for variant, job in entry.variants:
         outcome = outcomes[job]
-        built = KernelBuild(variant, job.kernel, outcome["shared"], outcome["seconds"], outcome["error"])
+        built = KernelBuild(variant, job.kernel, outcome["shared"], outcome["seconds"], outcome["error"],
+                            outcome.get("entry"), outcome.get("repaired"))
         result.kernels.append(built)
         where = f"{entry.config.name} [{entry.dtype.value}, {variant}] ({job.kernel})"
+        if built.repaired:
+            notes.append(f"{where}: damaged Triton cache entry rebuilt ({built.repaired})")
         if built.error is not None:
             problems.append(f"{where}: compile error:\n{built.error}")
         elif built.shared is not None and built.shared > limit:
@@ -719,7 +795,7 @@ def _finish(entry: _Entry, outcomes: Mapping[CompileJob, dict[str, Any]], arch: 
                             f"limit of {limit} bytes; it cannot launch (use smaller block_m/block_n, "
                             f"fewer stages or a smaller head_dim_max)")
     result.status = "failed" if problems else "built"
-    result.message = "\n".join(problems)
+    result.message = "\n".join(problems + notes)
 
 
 def build(registry: Registry, arch: str | None = None, families: Iterable[Family | str] | None = None,
@@ -762,9 +838,9 @@ def build(registry: Registry, arch: str | None = None, families: Iterable[Family
     for item in planned:
         if isinstance(item, BuildResult):  # skipped, or failed before compiling
             results.append(item)
-        elif item.key in record:
+        elif item.key in record and not _stale(item, record[item.key]):
             item.result.status = "cached"
-            item.result.kernels = [KernelBuild(k["variant"], k["kernel"], k.get("shared"))
+            item.result.kernels = [KernelBuild(k["variant"], k["kernel"], k.get("shared"), entry=k.get("entry"))
                                    for k in record[item.key].get("kernels", [])]
             results.append(item.result)
         else:
@@ -793,8 +869,8 @@ def build(registry: Registry, arch: str | None = None, families: Iterable[Family
                         "config": entry.config.name, "dtype": entry.dtype.value,
                         "target": _target_text(target),
                         "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                        "kernels": [{"variant": k.variant, "kernel": k.kernel, "shared": k.shared}
-                                    for k in entry.result.kernels]}}
+                        "kernels": [{"variant": k.variant, "kernel": k.kernel, "shared": k.shared,
+                                     "entry": k.entry} for k in entry.result.kernels]}}
                     _write_record(record_file, entries)
                 if on_result is not None:
                     on_result(entry.result)

@@ -2,7 +2,11 @@
 
 Stage 1 (`dot_do_o_kernel`): delta = rowsum(dO * O) - dlse per query row (dlse is the
 gradient flowing into a returned LSE; it folds into delta because d lse / d s = P), and
-the per-row share of d sinks.
+the per-row share of d sinks. When dbias or dsinks are wanted, stage 1 is instead
+`dq_kernel` with DELTA_ONLY (`launch_delta`): delta = rowsum(P * dP) - dlse in fp32 from
+recomputed tiles, because O is stored rounded to fp16/bf16 and rowsum(dO * O) then does not
+cancel against the sum of P * dP that the dS row sums (dbias broadcast over keys, dsinks)
+depend on.
 Stage 2 (`dkdv_kernel`): one program per (key block, batch, KV head) walks the query
 blocks that can see its keys, for every query head of its group, recomputing P from the
 saved LSE; dK and dV accumulate in registers (GQA sums inside the program, no atomics).
@@ -220,15 +224,17 @@ def dkdv_kernel(
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse2, delta, k_base, v_base, bias_base, rows, n_start, n_end,
+    dq, dsum, q, do, lse2, delta, k_base, v_base, bias_base, rows, n_start, n_end,
     len_q, len_k, diag_offset, stride_kn, stride_vn, stride_vd, stride_biasn,
     head_dim_qk, head_dim_v, scale, softcap, alibi_slope, window_left, window_right, sink_size,
     dropout_p, seed, offset, bh,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DELTA_ONLY: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    """dQ += dS K over key columns [n_start, n_end); with DELTA_ONLY, dsum += rowsum(P * dP)
+    instead (dq untouched)."""
     offs_dq = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for n0 in range(n_start, n_end, BLOCK_N):
@@ -247,16 +253,19 @@ def _dq_inner(
         if HAS_DROPOUT:
             keep = dropout_keep(seed, offset, bh, rows, cols, dropout_p)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-        ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dq += tl.dot(ds.to(q.dtype), k, input_precision=DOT_PRECISION)
-    return dq
+        if DELTA_ONLY:
+            dsum += tl.sum(p * dp, 1)
+        else:
+            ds = p * (dp - delta[:, None])
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - t * t)
+            dq += tl.dot(ds.to(q.dtype), k, input_precision=DOT_PRECISION)
+    return dq, dsum
 
 
 @triton.jit(do_not_specialize=["window_left", "window_right", "sink_size", "seed", "offset"])
 def dq_kernel(
-    Q, K, V, dO, LSE, Delta, dQ, Bias, Alibi,
+    Q, K, V, dO, LSE, Delta, dQ, Bias, Alibi, dLSE, dSinksRows, Sinks,
     cu_seqlens_q, cu_seqlens_k, seqused_k,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -272,9 +281,14 @@ def dq_kernel(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, ALIGN_BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DELTA_ONLY: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    """dQ of one query block (no atomics). With DELTA_ONLY it writes, instead of dQ, the exact
+    delta = rowsum(P * dP) - dlse (fp32, from the P and dP that stage 2 recomputes, not from
+    the rounded O) and the per-row d sinks shares: the stage-1 pass used when dbias or
+    dsinks are wanted (their row sums cancel only with this delta)."""
     num_m = tl.cdiv(seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid // num_m
@@ -305,7 +319,11 @@ def dq_kernel(
                  mask=row_ok[:, None] & (offs_dv[None, :] < head_dim_v), other=0.0)
     lrow = b64 * stride_lb + h * stride_lh + grow * stride_lm
     lse2 = _load_lse2(LSE, lrow, row_ok)
-    delta = tl.load(Delta + lrow, mask=row_ok, other=0.0)
+    dsum = tl.zeros([BLOCK_M], dtype=Delta.dtype.element_ty)
+    if DELTA_ONLY:
+        delta = dsum
+    else:
+        delta = tl.load(Delta + lrow, mask=row_ok, other=0.0)
     k_base = K + b64 * stride_kb + hk * stride_kh + start_k.to(tl.int64) * stride_kn
     v_base = V + b64 * stride_vb + hk * stride_vh + start_k.to(tl.int64) * stride_vn
     bias_base = Bias + b64 * stride_biasb + h * stride_biash + rows[:, None] * stride_biasm
@@ -317,32 +335,40 @@ def dq_kernel(
     lo, hi = key_range(m_lo, m_hi, len_k, diag_offset, window_left, window_right,
                        HAS_LEFT, HAS_RIGHT, BLOCK_N)
     if HAS_SINK_TOKENS:
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, bias_base, rows, 0,
+        dq, dsum = _dq_inner(dq, dsum, q, do, lse2, delta, k_base, v_base, bias_base, rows, 0,
                        tl.minimum(sink_size, lo), len_q, len_k, diag_offset,
                        stride_kn, stride_vn, stride_vd, stride_biasn, head_dim_qk, head_dim_v,
                        scale, softcap, alibi_slope, window_left, window_right, sink_size,
                        dropout_p, seed, offset, bh,
                        HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-                       HAS_DROPOUT, DOT_PRECISION, BLOCK_N, BLOCK_DQK, BLOCK_DV)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, bias_base, rows, lo, hi,
+                       HAS_DROPOUT, DELTA_ONLY, DOT_PRECISION, BLOCK_N, BLOCK_DQK, BLOCK_DV)
+    dq, dsum = _dq_inner(dq, dsum, q, do, lse2, delta, k_base, v_base, bias_base, rows, lo, hi,
                    len_q, len_k, diag_offset,
                    stride_kn, stride_vn, stride_vd, stride_biasn, head_dim_qk, head_dim_v,
                    scale, softcap, alibi_slope, window_left, window_right, sink_size,
                    dropout_p, seed, offset, bh,
                    HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-                   HAS_DROPOUT, DOT_PRECISION, BLOCK_N, BLOCK_DQK, BLOCK_DV)
+                   HAS_DROPOUT, DELTA_ONLY, DOT_PRECISION, BLOCK_N, BLOCK_DQK, BLOCK_DV)
     if HAS_SINK_TOKENS:  # sink tokens right of the window's last block
         main_end = lo + tl.cdiv(hi - lo, BLOCK_N) * BLOCK_N
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, bias_base, rows, main_end,
+        dq, dsum = _dq_inner(dq, dsum, q, do, lse2, delta, k_base, v_base, bias_base, rows, main_end,
                        tl.minimum(sink_size, len_k), len_q, len_k, diag_offset,
                        stride_kn, stride_vn, stride_vd, stride_biasn, head_dim_qk, head_dim_v,
                        scale, softcap, alibi_slope, window_left, window_right, sink_size,
                        dropout_p, seed, offset, bh,
                        HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-                       HAS_DROPOUT, DOT_PRECISION, BLOCK_N, BLOCK_DQK, BLOCK_DV)
-    dq = dq * scale
-    tl.store(dQ + b64 * stride_dqb + h * stride_dqh + grow[:, None] * stride_dqm + offs_dq[None, :],
-             dq.to(dQ.dtype.element_ty), mask=qmask)
+                       HAS_DROPOUT, DELTA_ONLY, DOT_PRECISION, BLOCK_N, BLOCK_DQK, BLOCK_DV)
+    if DELTA_ONLY:
+        if HAS_DLSE:
+            dsum -= tl.load(dLSE + lrow, mask=row_ok, other=0.0)
+        tl.store(Delta + lrow, dsum, mask=row_ok)
+        if HAS_SINKS:  # as in dot_do_o_kernel
+            p_sink = tl.exp(tl.load(Sinks + h) - tl.load(LSE + lrow, mask=row_ok, other=0.0))
+            tl.store(dSinksRows + lrow, -p_sink * dsum, mask=row_ok)
+    else:
+        dq = dq * scale
+        tl.store(dQ + b64 * stride_dqb + h * stride_dqh + grow[:, None] * stride_dqm + offs_dq[None, :],
+                 dq.to(dQ.dtype.element_ty), mask=qmask)
 
 
 @triton.jit
@@ -430,8 +456,12 @@ def launch_dq(q, k, v, do, lse, delta, dq, *,
               bias=None, alibi_slopes=None, scale: float, softcap: float,
               window: tuple[int, int], sink_size: int, align_bottom_right: bool,
               dropout_p: float, seed: int, offset: int,
-              block_m: int, block_n: int, num_warps: int, num_stages: int, dot_precision: str) -> None:
-    """dQ without atomics: one program per query block (deterministic)."""
+              block_m: int, block_n: int, num_warps: int, num_stages: int, dot_precision: str,
+              delta_only: bool = False, dlse=None, sinks=None, dsinks_rows=None) -> None:
+    """dQ without atomics: one program per query block (deterministic).
+
+    delta_only=True (see `launch_delta`): `delta` is written, not read, and `dq` is unused.
+    """
     varlen = cu_seqlens_q is not None
     nheads_q, nheads_k, head_dim_qk, head_dim_v = _dims(q, k, v)
     grid = (triton.cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
@@ -441,6 +471,8 @@ def launch_dq(q, k, v, do, lse, delta, dq, *,
     dq_kernel[grid](
         q, k, v, do, lse, delta, dq,
         bias if bias is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy,
+        dlse if dlse is not None else dummy, dsinks_rows if dsinks_rows is not None else dummy,
+        sinks if sinks is not None else dummy,
         cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
         seqused_k if seqused_k is not None else dummy,
         *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen), v.stride(-1),
@@ -450,10 +482,22 @@ def launch_dq(q, k, v, do, lse, delta, dq, *,
         scale, softcap, window[0], window[1], sink_size, dropout_p, seed, offset,
         **feature_flags(window, sink_size, softcap, bias, alibi_slopes, dropout_p,
                          align_bottom_right, cu_seqlens_q, seqused_k),
+        DELTA_ONLY=delta_only, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None,
         DOT_PRECISION=dot_precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=padded_dim(head_dim_qk), BLOCK_DV=padded_dim(head_dim_v),
         num_warps=num_warps, num_stages=num_stages,
     )
+
+
+def launch_delta(q, k, v, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=None, **kwargs) -> None:
+    """Stage 1, exact: delta = rowsum(P * dP) - dlse in fp32 (and the d sinks row shares),
+    from recomputed P and dP (the dQ pass's loop, with a row sum instead of dS K). Used
+    instead of `launch_dot_do_o` when dbias or dsinks are wanted: rowsum(dO * O) uses O
+    rounded to the inputs' dtype, so sum_j dS_ij = sum_j P_ij (dP_ij - delta_i) would not
+    cancel (errors ~1e-3 in fp16, ~1e-2 in bf16 on dbias row sums and dsinks). Costs the
+    QK^T and dO V^T matmuls once more; takes launch_dq's keyword arguments."""
+    launch_dq(q, k, v, do, lse, delta, delta, delta_only=True, dlse=dlse, sinks=sinks,
+              dsinks_rows=dsinks_rows, **kwargs)
 
 
 def launch_convert_dq(dq_acc, dq, *, scale: float, block_m: int, num_warps: int, **_unused) -> None:

@@ -183,10 +183,33 @@ def _interpreted_package() -> str:
     return _INTERPRETED_NAME
 
 
+class _GuardedModule:
+    """A compiled kernel module whose `launch*` functions survive a damaged Triton cache
+    entry (evicted with a warning, compiled again: see fmha.kernel_cache)."""
+
+    def __init__(self, module: ModuleType) -> None:
+        from ..kernel_cache import guard_launch
+
+        self._module = module
+        self._launchers = {n: guard_launch(f, module) for n, f in vars(module).items()
+                           if n.startswith("launch") and callable(f)}
+
+    def __getattr__(self, name: str):
+        launcher = self._launchers.get(name)
+        return launcher if launcher is not None else getattr(self._module, name)
+
+
+_guarded: dict[str, _GuardedModule] = {}
+
+
 def family_module(name: str, *, interpreted: bool) -> ModuleType:
-    """The kernel module `fmha.kernels.<name>`, compiled or interpreted."""
+    """The kernel module `fmha.kernels.<name>`, compiled (launchers guarded against a
+    damaged Triton cache) or interpreted."""
     if not interpreted:
-        return importlib.import_module(f"{__package__}.{name}")
+        guarded = _guarded.get(name)
+        if guarded is None:
+            guarded = _guarded.setdefault(name, _GuardedModule(importlib.import_module(f"{__package__}.{name}")))
+        return guarded  # type: ignore[return-value]
     import triton
 
     with _lock:
