@@ -699,7 +699,7 @@ def _cmd_tune(args: argparse.Namespace, console: Any) -> int:
         raise ValueError(f"profile {args.profile!r} has no tunable family; tunable: "
                          f"{[f.value for f in tuning.TUNABLE_FAMILIES]}")
     arch = args.arch or (current_arch() if torch.cuda.is_available() else precompile.DEFAULT_ARCH)
-    shapes = [_tune_shape(s) for s in (args.shapes or TUNE_DEFAULT_SHAPES)]
+    shapes = args.shapes or [_tune_shape(s) for s in TUNE_DEFAULT_SHAPES]
     problems = [Problem(b, hq, hk, seqlen, seqlen, d, d, dtype=DType(dtype), arch=arch, causal=causal,
                         window=(-1, 0) if causal else (-1, -1), deterministic=args.deterministic)
                 for dtype in args.dtype for b, hq, hk, seqlen, d, causal in shapes]
@@ -935,7 +935,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"({', '.join(f.value for f in tuning.TUNABLE_FAMILIES)}; default flash_fwd)")
     p.add_argument("--family", action="append", choices=[f.value for f in tuning.TUNABLE_FAMILIES], default=None,
                    help="tune this family (repeat for several) instead of the profile's")
-    p.add_argument("--shapes", nargs="+", default=None, metavar="BxHxSxD[:causal]",
+    p.add_argument("--shapes", nargs="+", type=_tune_shape, default=None, metavar="BxHxSxD[:causal]",
                    help="B x H x S x D or B x Hq x Hk x S x D, ':causal' for a causal mask (default: D 64, "
                         "128, 256 x S 1024, 4096, 16384 with B*S = 16384, H 16, causal and not)")
     p.add_argument("--dtype", nargs="+", choices=["fp16", "bf16", "fp32"], default=["bf16"])

@@ -165,7 +165,7 @@ class TuningDB:
             return None
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
-    def _parse(self, text: str) -> tuple[dict, str | None]:
+    def _parse(self, text: bytes) -> tuple[dict, str | None]:
         """(entries, None) for a good file; ({}, reason) for one that is not trusted."""
         try:
             data = json.loads(text)
@@ -191,7 +191,7 @@ class TuningDB:
         if self._cache is not None and self._cache[0] == stamp:
             return self._cache[1]
         try:
-            text = self.path.read_text()
+            text = self.path.read_bytes()
         except OSError as e:
             entries, reason = {}, f"cannot be read ({e.strerror or e})"
         else:
@@ -260,9 +260,9 @@ class TuningDB:
             entries: dict[str, dict] = {}
             if self.path.exists():
                 try:
-                    text = self.path.read_text()
+                    text = self.path.read_bytes()
                 except OSError:
-                    text = ""
+                    text = b""
                 entries, reason = self._parse(text)
                 if reason is not None:
                     stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S%f")
