@@ -212,7 +212,7 @@ def _parse_spec(spec: str) -> dict[str, Any]:
             value = (int(m.group(1)), int(m.group(2))) if m.group(2) else int(m.group(1))
         elif m := _TILE.fullmatch(token):
             key, value = "tile", token
-        elif token in ("cuda", CPU) or re.fullmatch(r"sm\d+(-sm\d+)*", token):
+        elif token == "cuda" or re.fullmatch(r"(sm\d+|cpu)(-(sm\d+|cpu))*", token):
             key, value = "arch", token
         elif token in ("tf32", "ieee"):
             key, value = "dot_precision", token
@@ -285,7 +285,8 @@ def autofill_report(spec: str | None = None, *, family: Family | str | None = No
     1..256 (`head_dim=128` is 1..128, `(65, 128)` is 65..128); features: everything the
     family serves; dot precision "ieee". Tile, warps and stages come from the closest
     config of the same family in `registry` (default: the stock registry; closest = same
-    arch kind and a shared dtype, then nearest head dim, then nearest tile), and a rule
+    arch kind, a shared dtype, and the least log2 distance of block_m, block_n (when the
+    tile is given) and padded head dim; registry order breaks ties), and a rule
     (4 warps, 8 for tiles of 128 x 64 x 128 and more; 2 stages on CUDA, 1 on the CPU) when
     it has none.
 
@@ -401,6 +402,7 @@ _SM90_SHARED = 232448
 
 def _nearest_config(registry: Any, family: Family, archs: tuple[str, ...], dtypes: tuple[DType, ...],
                     head_dim_max: int, block: tuple[int, int] | None) -> KernelConfig | None:
+    """The config of `registry` whose defaults autofill takes (see `autofill_report`)."""
     if registry is None:
         from .registry import default_registry
 
@@ -414,9 +416,9 @@ def _nearest_config(registry: Any, family: Family, archs: tuple[str, ...], dtype
     def log2(x: int) -> float:
         return math.log2(max(1, x))
 
-    def distance(c: KernelConfig) -> tuple:
+    def distance(c: KernelConfig) -> float:
         a = c.algorithm
         tile = 0.0 if block is None else abs(log2(a.block_m) - log2(block[0])) + abs(log2(a.block_n) - log2(block[1]))
-        return (tile, abs(log2(padded_head_dim(c.signature.head_dim_max)) - log2(padded_head_dim(head_dim_max))))
+        return tile + abs(log2(padded_head_dim(c.signature.head_dim_max)) - log2(padded_head_dim(head_dim_max)))
 
     return min(pool, key=distance)
