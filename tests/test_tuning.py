@@ -237,3 +237,24 @@ def test_cli_tune_refuses_without_a_gpu_and_dry_run_lists_candidates(capsys, tmp
     assert not (tmp_path / "tuning.json").exists()
     code, _, err = run(capsys, "tune", "--dry-run", "--shapes", "2x8x3x1024x128")
     assert code == 2 and "not a multiple" in err
+
+
+@pytest.mark.parametrize("family", [Family.FWD, Family.BWD_DQ_DK_DV])
+def test_the_runner_that_tune_times_forces_the_candidate(family):
+    prob = problem(seqlen=20, head_dim=16, causal=True).with_(dtype=DType.FP32, nhead_q=4, nhead_k=2, alibi=True)
+    config = OTHER_FWD if family == Family.FWD else next(
+        c for c in STOCK if c.family == family and c.signature.archs == ("cpu",))
+    fn, dispatcher = tuning.runner(config, prob, "cpu")
+    assert [c.name for c in dispatcher.registry if c.family == family] == [config.name]
+    assert dispatcher.tuning is None
+    with fmha.api.use_dispatcher(dispatcher):
+        assert dispatcher.select(prob, family)[0] == config
+        result = fn()
+    tensors = [result] if family == Family.FWD else list(result)
+    assert all(torch.isfinite(t).all() for t in tensors)
+    assert fmha.get_dispatcher() is not dispatcher  # restored
+
+
+def test_the_runner_refuses_a_problem_it_cannot_build():
+    with pytest.raises(ValueError, match="give another problem.*'layout': \\('bshd', 'bhsd'\\)"):
+        tuning.runner(OTHER_FWD, problem().with_(layout="bshd"), "cpu")

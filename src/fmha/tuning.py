@@ -321,63 +321,79 @@ def _registry_forcing(registry: Any, config: KernelConfig) -> Any:
                     name=f"{registry.name}[force {config.name}]")
 
 
+def runner(config: KernelConfig, problem: Problem, device: str = "cuda", seed: int = 0) -> tuple[Callable, Any]:
+    """(fn, dispatcher): `fn()` runs `problem` on random inputs (dense, bhsd) through
+    `fmha.attention` -- the forward for `fwd`, the backward alone (autograd.grad on a
+    retained graph) for the backward families -- when called inside
+    `fmha.api.use_dispatcher(dispatcher)`, whose registry has `config` as the only config
+    of its family (the current dispatcher's registry supplies the other families)."""
+    import torch
+
+    from .api import attention, get_dispatcher, problem_of, use_dispatcher
+    from .dispatcher import Dispatcher
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+             "fp64": torch.float64}[problem.dtype.value]
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dt)
+
+    b, sq, sk = problem.batch, problem.seqlen_q, problem.seqlen_k
+    q = randn(b, problem.nhead_q, sq, problem.head_dim_qk)
+    k = randn(b, problem.nhead_k, sk, problem.head_dim_qk)
+    v = randn(b, problem.nhead_k, sk, problem.head_dim_v)
+    kwargs: dict[str, Any] = dict(
+        causal=problem.causal, window=problem.window, mask_align=problem.mask_align.value,
+        sink_size=problem.sink_size, softcap=problem.softcap, dropout_p=problem.dropout_p,
+        deterministic=problem.deterministic)
+    if problem.alibi:
+        kwargs["alibi_slopes"] = randn(problem.nhead_q, dt=torch.float32).abs()
+    if problem.bias:
+        kwargs["bias"] = randn(1, problem.nhead_q, sq, sk, dt=torch.float32)
+    if problem.sinks:
+        kwargs["sinks"] = randn(problem.nhead_q, dt=torch.float32)
+    built = problem_of(q, k, v, **kwargs)
+    if built != problem:
+        diff = {f: (getattr(problem, f), getattr(built, f)) for f in problem.__dataclass_fields__
+                if getattr(problem, f) != getattr(built, f)}
+        raise ValueError(f"cannot time {problem.describe()}: the inputs it builds (dense, bhsd, on {device}) "
+                         f"give another problem; (wanted, built) by field: {diff}")
+    dispatcher = Dispatcher(_registry_forcing(get_dispatcher().registry, config))
+    if config.family == Family.FWD:
+        def fn():
+            with torch.no_grad():
+                return attention(q, k, v, **kwargs)
+        return fn, dispatcher
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    with use_dispatcher(dispatcher):
+        out = attention(*leaves, **kwargs)
+    dout = torch.randn_like(out)
+
+    def fn():
+        return torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+    return fn, dispatcher
+
+
 def gpu_timer(warmup_ms: float = 25, rep_ms: float = 100) -> Timer:
-    """A timer that runs `fmha.attention` on random CUDA inputs of the problem with one
-    config forced, and returns `triton.testing.do_bench`'s median (ms). Forward for `fwd`;
-    backward alone (autograd.grad on a retained graph) for the backward families."""
+    """A timer: `triton.testing.do_bench`'s median (ms) of `runner(config, problem)` on CUDA."""
 
     def time_config(config: KernelConfig, problem: Problem) -> float:
         import torch
         from triton.testing import do_bench
 
-        from .api import attention, use_dispatcher
-        from .dispatcher import Dispatcher
+        from .api import use_dispatcher
 
         if not torch.cuda.is_available():
             raise RuntimeError("timing a kernel config needs a CUDA GPU")
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[problem.dtype.value]
-        gen = torch.Generator(device="cuda").manual_seed(0)
-
-        def randn(*shape):
-            return torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
-
-        b, sq, sk = problem.batch, problem.seqlen_q, problem.seqlen_k
-        q = randn(b, problem.nhead_q, sq, problem.head_dim_qk)
-        k = randn(b, problem.nhead_k, sk, problem.head_dim_qk)
-        v = randn(b, problem.nhead_k, sk, problem.head_dim_v)
-        kwargs = dict(causal=problem.causal, window=problem.window, mask_align=problem.mask_align.value,
-                      sink_size=problem.sink_size, softcap=problem.softcap, dropout_p=problem.dropout_p,
-                      deterministic=problem.deterministic)
-        if problem.alibi:
-            kwargs["alibi_slopes"] = torch.rand(problem.nhead_q, device="cuda")
-        if problem.bias:
-            kwargs["bias"] = randn(1, problem.nhead_q, sq, sk).float()
-        if problem.sinks:
-            kwargs["sinks"] = randn(problem.nhead_q).float()
-        forced = Dispatcher(_registry_forcing(_current_registry(), config))
-        with use_dispatcher(forced):
-            if config.family == Family.FWD:
-                def fn():
-                    with torch.no_grad():
-                        attention(q, k, v, **kwargs)
-            else:
-                leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-                out = attention(*leaves, **kwargs)
-                dout = torch.randn_like(out)
-
-                def fn():
-                    torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        fn, dispatcher = runner(config, problem, "cuda")
+        with use_dispatcher(dispatcher):
             fn()
             torch.cuda.synchronize()
             return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
     return time_config
-
-
-def _current_registry() -> Any:
-    from .api import get_dispatcher
-
-    return get_dispatcher().registry
 
 
 @dataclass
@@ -428,5 +444,5 @@ def tune(problems: Sequence[Problem], families: Sequence[Family], *, registry: A
     return results
 
 
-__all__ = ["TuningDB", "TuningKey", "TunedChoice", "TuneResult", "TuningDBWarning", "tune", "gpu_timer",
+__all__ = ["TuningDB", "TuningKey", "TunedChoice", "TuneResult", "TuningDBWarning", "tune", "gpu_timer", "runner",
            "candidates", "cache_dir", "default_path", "device_name", "SCHEMA_VERSION", "TUNABLE_FAMILIES"]
