@@ -84,9 +84,12 @@ def test_cli_sweep_on_cuda(capsys, tmp_path):
     assert all(r["check"].startswith("ok: ") and float(r["tflops"]) > 0 for r in rows)
 
 
-def test_cli_stress_on_cuda(capsys):
+@pytest.mark.parametrize("backward", [False, True])
+def test_cli_stress_on_cuda(capsys, backward):
     seed = secrets.randbits(20)
     print(f"stress seed={seed}")
-    code, out, err = run(capsys, "stress", "--device", "cuda", "--count", "12", "--seed", str(seed),
-                         "--time-budget", "90", "--no-progress", "--failures-only")
+    count = "5" if backward else "10"
+    code, out, err = run(capsys, "stress", "--device", "cuda", "--count", count, "--seed", str(seed),
+                         "--time-budget", "60", "--no-progress", "--failures-only",
+                         *(["--backward"] if backward else []))
     assert code == 0, out + err

@@ -6,7 +6,9 @@ import random
 from dataclasses import replace
 
 import pytest
+import torch
 
+import fmha
 from fmha import cli, sweeps
 from fmha.problem import Feature
 
@@ -99,7 +101,7 @@ def test_cli_stress_exits_1_on_a_failed_check_and_prints_how_to_reproduce(capsys
     monkeypatch.setattr(cli, "validate", wrong)
     code, out, _ = run(capsys, "stress", "--device", "cpu", "--count", "2", "--seed", "1", "--no-progress")
     assert code == 1
-    assert "0 of 2 cases ok" in out and "reproduce with: fmha run --device cpu -b " in out
+    assert "0 of 2 cases ok" in out and "the forward of it: fmha run --device cpu -b " in out
 
 
 def test_stress_time_budget_stops_after_the_first_case(capsys):
@@ -109,3 +111,20 @@ def test_stress_time_budget_stops_after_the_first_case(capsys):
     assert "time budget of 0.001 s reached: 1 of 50 cases ran" in out
     with pytest.raises(ValueError, match="count=0 must be >= 1"):
         sweeps.stress(0, 0, "cpu")
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_validate_backward_checks_dq_dk_dv_and_catches_a_wrong_gradient(monkeypatch, wrong):
+    spec = cli.RunSpec("bwd", 1, 4, 2, 16, 24, 16, 16, "fp16", layout="bshd", causal=True, bias="alibi",
+                       dropout=0.2, seed=4)
+    q, k, v, kwargs = cli._inputs(spec, torch.device("cpu"))
+    if wrong:  # o * 1.01: dv (and dq, dk) off by about 1%
+        real = fmha.api.attention
+        monkeypatch.setattr(fmha.api, "attention", lambda *a, **kw: _scaled(real(*a, **kw)))
+    result = sweeps.validate_backward(q, k, v, kwargs, deterministic=True, seed=1)
+    assert [c.name for c in result["comparisons"]] == ["dq", "dk", "dv"] and result["scope"] == "all"
+    assert result["ok"] is not wrong, [str(c) for c in result["comparisons"]]
+
+
+def _scaled(result):
+    return (result[0] * 1.01, *result[1:]) if isinstance(result, tuple) else result * 1.01

@@ -643,14 +643,14 @@ def _cmd_stress(args: argparse.Namespace, console: Any) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=args.no_progress, transient=True) as bar:
         task = bar.add_task("stress", total=args.count)
-        rows = sweeps.stress(args.count, args.seed, device, time_budget=args.time_budget,
+        rows = sweeps.stress(args.count, args.seed, device, time_budget=args.time_budget, backward=args.backward,
                              progress=lambda text: bar.update(task, advance=1, description=text))
     console.print(sweeps.stress_table(rows, failures_only=args.failures_only))
     failed = [r for r in rows if not r["ok"]]
     if len(rows) < args.count:
         console.print(f"time budget of {args.time_budget:g} s reached: {len(rows)} of {args.count} cases ran")
     for r in failed:
-        console.print(f"case {r['index']} FAILED ({r['error'] or r['check']}); reproduce with: "
+        console.print(f"case {r['index']} FAILED ({r['error'] or r['check']}); the forward of it: "
                       f"fmha run --device {device.type} {r['flags']}", style="red", soft_wrap=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"ok": not failed, "seed": args.seed, "count": args.count,
@@ -919,6 +919,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=_nonneg_float, default=None, metavar="S",
                    help="start no new case after S seconds (default: no limit)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--backward", action="store_true", help="also check dq, dk, dv (the deterministic backward "
+                   "for cases with an odd input seed)")
     p.add_argument("--failures-only", action="store_true", help="table rows for failed cases only")
     p.add_argument("--json", metavar="FILE", default=None)
     p.add_argument("--no-progress", action="store_true")

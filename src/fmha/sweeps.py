@@ -200,6 +200,84 @@ def sweep_table(rows: Sequence[dict]) -> Any:
 # Stress.
 
 
+# Backward validation holds a few float64 (B, Hq, Sq, Sk) tensors: scope it below this many scores.
+BACKWARD_MAX_SCORES = 2**25
+
+
+def validate_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict, *,
+                      deterministic: bool = False, seed: int = 0) -> dict[str, Any]:
+    """dq, dk, dv of `fmha.attention(q, k, v, **kwargs)` against a float64 truth (2x rule).
+
+    A random dO (from `seed`); truth: `fmha.reference.attention_bwd` on the CPU, torch
+    autograd through `numerics.torch_attention` in float64 on a GPU; baseline: the same
+    autograd in the inputs' dtype. Bias, ALiBi slopes and sink logits are constants here
+    (their gradients are not checked). Large problems are checked on batch 0 (then one
+    KV-head group), as `fmha.cli.validate` does. Returns {"scope", "comparisons", "ok"}.
+    """
+    import numpy as np
+
+    from . import numerics, reference
+    from .api import attention
+
+    want_mask = kwargs.get("dropout_p", 0) > 0
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    result = attention(*leaves, return_dropout_mask=want_mask, deterministic=deterministic, **kwargs)
+    o, mask = (result[0], result[1]) if want_mask else (result, None)
+    gen = torch.Generator(device=q.device).manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen, device=q.device, dtype=torch.float32).to(o.dtype)
+    ours = torch.autograd.grad(o, leaves, do)
+    bhsd = kwargs["layout"] == "bhsd"
+    qb, kb, vb, dob, *ours = (t.detach() if bhsd else t.detach().transpose(1, 2) for t in (q, k, v, do, *ours))
+    bias, alibi, sinks = kwargs.get("bias"), kwargs.get("alibi_slopes"), kwargs.get("sinks")
+    batch, nhead_q, seqlen_q, _ = qb.shape
+    nhead_k, seqlen_k = kb.shape[1], kb.shape[2]
+    scope = "all"
+
+    def cut(t, b=None, h=None):
+        return None if t is None else t[: b or t.shape[0], : h or t.shape[1]]
+
+    if batch > 1 and batch * nhead_q * seqlen_q * seqlen_k > BACKWARD_MAX_SCORES:
+        qb, kb, vb, dob, mask = (cut(t, 1) for t in (qb, kb, vb, dob, mask))
+        ours = [cut(t, 1) for t in ours]
+        bias = bias[:1] if bias is not None else None
+        alibi = alibi[:1] if alibi is not None and alibi.dim() == 2 else alibi
+        batch, scope = 1, "batch 0"
+    if nhead_k > 1 and batch * nhead_q * seqlen_q * seqlen_k > BACKWARD_MAX_SCORES:
+        g = nhead_q // nhead_k
+        qb, dob, mask = (cut(t, None, g) for t in (qb, dob, mask))
+        kb, vb = (cut(t, None, 1) for t in (kb, vb))
+        ours = [cut(ours[0], None, g), cut(ours[1], None, 1), cut(ours[2], None, 1)]
+        bias = bias[:, :g] if bias is not None and bias.shape[1] > 1 else bias
+        alibi = alibi[..., :g] if alibi is not None else None
+        sinks = sinks[:g] if sinks is not None else None
+        nhead_q, scope = g, f"batch 0, query heads 0..{g - 1} (KV head 0)" if scope != "all" else \
+            f"query heads 0..{g - 1} (KV head 0)"
+    if batch * nhead_q * seqlen_q * seqlen_k > BACKWARD_MAX_SCORES:
+        return {"scope": "skipped (problem too large to validate)", "comparisons": [], "ok": True}
+    extra = {key: kwargs[key] for key in ("causal", "window", "mask_align", "sink_size", "softcap", "dropout_p")}
+    tensors = {"bias": bias, "alibi_slopes": alibi, "sinks": sinks}
+    names = ("dq", "dk", "dv")
+    if q.device.type == "cpu":
+        def np64(t):
+            return t.detach().double().numpy()
+
+        ref = reference.attention_bwd(np64(qb), np64(kb), np64(vb), np64(dob),
+                                      dropout_mask=None if mask is None else mask.numpy(), **extra,
+                                      **{key: np64(t) for key, t in tensors.items() if t is not None})
+        truth = [torch.from_numpy(np.asarray(ref[n])) for n in names]
+    else:
+        leaves64 = [t.double().requires_grad_(True) for t in (qb, kb, vb)]
+        o64, _ = numerics.torch_attention(*leaves64, compute_dtype=torch.float64, dropout_mask=mask, **extra,
+                                          **tensors)
+        truth = list(torch.autograd.grad(o64, leaves64, dob.double()))
+    base_leaves = [t.clone().requires_grad_(True) for t in (qb, kb, vb)]
+    with torch.enable_grad():
+        base_o, _ = numerics.torch_attention(*base_leaves, dropout_mask=mask, **extra, **tensors)
+        base = torch.autograd.grad(base_o, base_leaves, dob)
+    comparisons = [numerics.compare(n, x, t, b, q.dtype) for n, x, t, b in zip(names, ours, truth, base, strict=True)]
+    return {"scope": scope, "comparisons": comparisons, "ok": all(c.ok for c in comparisons)}
+
+
 def random_spec(rng: random.Random, on_cpu: bool, index: int = 0) -> RunSpec:
     """A random problem: dtype, shapes (GQA), layout, masks, sink tokens, soft-cap,
     bias or ALiBi, sink logits, dropout and an input seed. Small on the CPU."""
@@ -257,8 +335,11 @@ def run_flags(spec: RunSpec) -> str:
 
 
 def stress(count: int, seed: int, device: str | torch.device, *, time_budget: float | None = None,
-           progress: Callable[[str], None] | None = None) -> list[dict]:
-    """Validate `count` random problems (from `seed`) against the float64 truth.
+           backward: bool = False, progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Validate `count` random problems (from `seed`) against the float64 truth: the
+    forward (o, lse), and with `backward` also dq, dk, dv (`validate_backward`; cases with
+    an odd input seed ask for the deterministic backward). The cases do not depend on
+    `backward`.
 
     Starts no new case after `time_budget` seconds (the first always runs; the rows say how
     many ran). Row:
@@ -289,9 +370,17 @@ def stress(count: int, seed: int, device: str | torch.device, *, time_budget: fl
             row["kernel"] = cli.get_dispatcher().plan_forward(problem).config(cli.Family.FWD).name
             with torch.no_grad():
                 result = cli.validate(q, k, v, kwargs)
+            comparisons = list(result["comparisons"])
+            if backward:
+                deterministic = spec.seed % 2 == 1
+                row["deterministic"] = deterministic
+                back = validate_backward(q, k, v, kwargs, deterministic=deterministic, seed=spec.seed)
+                comparisons += back["comparisons"]
+                result = {"scope": result["scope"] if back["scope"] == result["scope"] else
+                          f"forward: {result['scope']}; backward: {back['scope']}", "ok": result["ok"] and back["ok"]}
             validation = {**{key: result[key] for key in ("scope", "ok")},
                           "comparisons": [{"name": c.name, "error": c.error, "bound": c.bound, "ok": c.ok}
-                                          for c in result["comparisons"]]}
+                                          for c in comparisons]}
             row.update(validation=validation, check=_check_text(validation), ok=result["ok"])
         except Exception as e:  # a crash is a failure of this case, not of the run
             row.update(check="error", error=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}")

@@ -161,7 +161,7 @@ class TuningDB:
     def _stamp(self) -> Any:
         try:
             st = self.path.stat()
-        except FileNotFoundError:
+        except OSError:  # missing, or a directory that cannot be searched: no DB
             return None
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
@@ -169,8 +169,8 @@ class TuningDB:
         """(entries, None) for a good file; ({}, reason) for one that is not trusted."""
         try:
             data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return {}, f"not valid JSON ({e})"
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+            return {}, f"not valid JSON ({type(e).__name__}: {e})"
         if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
             return {}, "not an object with an 'entries' object"
         if data.get("schema_version") != SCHEMA_VERSION:
@@ -230,7 +230,7 @@ class TuningDB:
         refusals = config.signature.refusals(problem)
         if config.family != family or refusals:
             return None, f"tuned entry {name} ignored: it does not serve this problem ({'; '.join(refusals)})"
-        timings = entry.get("timings_ms") or {}
+        timings = entry.get("timings_ms") if isinstance(entry.get("timings_ms"), dict) else {}
         return TunedChoice(config, key.text(), timings.get(name), len(timings)), ""
 
     # -- writing -------------------------------------------------------------------------
