@@ -128,3 +128,12 @@ def test_validate_backward_checks_dq_dk_dv_and_catches_a_wrong_gradient(monkeypa
 
 def _scaled(result):
     return (result[0] * 1.01, *result[1:]) if isinstance(result, tuple) else result * 1.01
+
+
+def test_stress_with_random_tiles_runs_other_configs_correctly():
+    rows = sweeps.stress(2, 2, "cpu", random_tiles=True)
+    stock = {c.name for c in fmha.default_registry()}
+    assert all(r["ok"] and r["kernel"] not in stock and "_cpu_triton_m" in r["kernel"] for r in rows), rows
+    plain = sweeps.stress(1, 2, "cpu")
+    assert plain[0]["problem"] == rows[0]["problem"] and plain[0]["kernel"] in stock  # same problems
+    assert fmha.get_dispatcher() is fmha.dispatcher.default_dispatcher()  # restored

@@ -644,6 +644,7 @@ def _cmd_stress(args: argparse.Namespace, console: Any) -> int:
                   console=console, disable=args.no_progress, transient=True) as bar:
         task = bar.add_task("stress", total=args.count)
         rows = sweeps.stress(args.count, args.seed, device, time_budget=args.time_budget, backward=args.backward,
+                             random_tiles=args.random_tiles,
                              progress=lambda text: bar.update(task, advance=1, description=text))
     console.print(sweeps.stress_table(rows, failures_only=args.failures_only))
     failed = [r for r in rows if not r["ok"]]
@@ -921,6 +922,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--backward", action="store_true", help="also check dq, dk, dv (the deterministic backward "
                    "for cases with an odd input seed)")
+    p.add_argument("--random-tiles", action="store_true", help="run each forward with a random fwd config "
+                   "(tile, warps, stages) instead of the dispatcher's choice")
     p.add_argument("--failures-only", action="store_true", help="table rows for failed cases only")
     p.add_argument("--json", metavar="FILE", default=None)
     p.add_argument("--no-progress", action="store_true")

@@ -15,6 +15,7 @@ On the CPU the problems are small (Triton's interpreter); on a GPU they are real
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import random
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .api import use_dispatcher
 
 if TYPE_CHECKING:  # cli imports this module; the functions below import cli when they run
     from .cli import RunSpec
@@ -334,12 +337,34 @@ def run_flags(spec: RunSpec) -> str:
     return " ".join(flags)
 
 
+def random_tile_config(rng: random.Random, spec: RunSpec, on_cpu: bool) -> Any:
+    """A random valid `fwd` config (autofilled) that serves `spec`: block_m, block_n in
+    16..128 (CPU: 16..64), warps 4 or 8, stages 1..3 (CPU: 1), its estimated shared memory
+    within 160 KB on CUDA (room for a bias tile)."""
+    from .configs import autofill, shared_memory_estimate
+
+    arch = "cpu" if on_cpu else "cuda"
+    while True:
+        if on_cpu:
+            tile = f"m{rng.choice([16, 32, 64])}n{rng.choice([16, 32, 64])}w4s1"
+        else:
+            tile = (f"m{rng.choice([16, 32, 64, 128])}n{rng.choice([16, 32, 64, 128])}"
+                    f"w{rng.choice([4, 8])}s{rng.choice([1, 2, 3])}")
+        config = autofill(family="fwd", dtype=spec.dtype, head_dim=max(spec.hdim_q, spec.hdim_v), tile=tile,
+                          arch=arch)
+        if on_cpu or shared_memory_estimate(config) <= 160 * 1024:
+            return config
+
+
 def stress(count: int, seed: int, device: str | torch.device, *, time_budget: float | None = None,
-           backward: bool = False, progress: Callable[[str], None] | None = None) -> list[dict]:
+           backward: bool = False, random_tiles: bool = False,
+           progress: Callable[[str], None] | None = None) -> list[dict]:
     """Validate `count` random problems (from `seed`) against the float64 truth: the
     forward (o, lse), and with `backward` also dq, dk, dv (`validate_backward`; cases with
-    an odd input seed ask for the deterministic backward). The cases do not depend on
-    `backward`.
+    an odd input seed ask for the deterministic backward). With `random_tiles`, each
+    forward runs a random fwd config (`random_tile_config`) instead of the dispatcher's
+    choice; on CUDA a config the GPU cannot launch (Triton's OutOfResources) makes the case
+    "skipped", not failed. The problems do not depend on `backward` or `random_tiles`.
 
     Starts no new case after `time_budget` seconds (the first always runs; the rows say how
     many ran). Row:
@@ -362,13 +387,20 @@ def stress(count: int, seed: int, device: str | torch.device, *, time_budget: fl
         row: dict[str, Any] = {"index": index, "spec": asdict(spec), "flags": run_flags(spec), "kernel": None,
                                "problem": None, "check": None, "validation": None, "ok": False, "error": None}
         t0 = time.monotonic()
+        forced = contextlib.nullcontext()
         try:
             spec.check()
+            if random_tiles:
+                from .dispatcher import Dispatcher
+                from .tuning import _registry_forcing
+
+                tile = random_tile_config(random.Random(spec.seed), spec, device.type == "cpu")
+                forced = use_dispatcher(Dispatcher(_registry_forcing(cli.get_dispatcher().registry, tile)))
             q, k, v, kwargs = cli._inputs(spec, device)
             problem = cli.problem_of(q, k, v, **kwargs)
             row["problem"] = problem.describe()
-            row["kernel"] = cli.get_dispatcher().plan_forward(problem).config(cli.Family.FWD).name
-            with torch.no_grad():
+            with forced, torch.no_grad():
+                row["kernel"] = cli.get_dispatcher().plan_forward(problem).config(cli.Family.FWD).name
                 result = cli.validate(q, k, v, kwargs)
             comparisons = list(result["comparisons"])
             if backward:
@@ -383,7 +415,11 @@ def stress(count: int, seed: int, device: str | torch.device, *, time_budget: fl
                                           for c in comparisons]}
             row.update(validation=validation, check=_check_text(validation), ok=result["ok"])
         except Exception as e:  # a crash is a failure of this case, not of the run
-            row.update(check="error", error=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}")
+            first = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
+            if random_tiles and type(e).__name__ == "OutOfResources":
+                row.update(check=f"skipped: the random config does not fit this GPU ({first})", ok=True, skipped=True)
+            else:
+                row.update(check="error", error=first)
         row["seconds"] = time.monotonic() - t0
         rows.append(row)
         if progress is not None:
@@ -397,8 +433,9 @@ def stress_table(rows: Sequence[dict], failures_only: bool = False) -> Any:
     from rich.table import Table
 
     failed = sum(not r["ok"] for r in rows)
-    table = Table(title=f"fmha stress: {len(rows)} cases, {len(rows) - failed} ok, {failed} failed",
-                  title_justify="left")
+    skipped = sum(bool(r.get("skipped")) for r in rows)
+    table = Table(title=f"fmha stress: {len(rows)} cases, {len(rows) - failed - skipped} ok, {failed} failed"
+                        + (f", {skipped} skipped" if skipped else ""), title_justify="left")
     table.add_column("#", justify="right")
     table.add_column("problem", overflow="fold")
     table.add_column("kernel", overflow="fold")
@@ -413,4 +450,5 @@ def stress_table(rows: Sequence[dict], failures_only: bool = False) -> Any:
 
 
 __all__ = ["AXES", "DEFAULT_VALUES", "base_spec", "point", "sweep", "write_csv", "write_json", "plot",
-           "sweep_table", "random_spec", "run_flags", "stress", "stress_table"]
+           "sweep_table", "random_spec", "random_tile_config", "run_flags", "stress", "stress_table",
+           "validate_backward"]
