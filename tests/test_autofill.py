@@ -72,10 +72,15 @@ def test_invalid_specs_are_refused_with_the_rule_they_break(spec, kwargs, rule):
 def test_the_new_rules_also_refuse_hand_built_and_imported_configs():
     good = autofill("fwd cpu fp32 d32 m16n16").to_dict()
     bad = json.loads(json.dumps(good))
-    bad["signature"]["archs"] = ["sm90"]
-    bad["signature"]["dtypes"] = ["fp64"]
+    bad["signature"]["features"].append("paged_kv")
     bad.pop("name")
-    with pytest.raises(ConfigError, match="fp64 runs in Triton's interpreter only"):
+    with pytest.raises(ConfigError, match="family fwd cannot serve features \\['paged_kv'\\]"):
+        KernelConfig.from_dict(bad)
+    bad = json.loads(json.dumps(good))
+    bad["algorithm"]["dot_precision"] = "tf32"
+    bad["signature"]["dtypes"] = ["fp16"]
+    bad.pop("name")
+    with pytest.raises(ConfigError, match="'tf32' applies to fp32 inputs only"):
         KernelConfig.from_dict(bad)
     assert len(fmha.default_registry()) > 0  # the stock configs obey every rule
 

@@ -174,9 +174,6 @@ def _rule_violations(config: KernelConfig) -> list[str]:
         rules.append(f"algorithm.dot_precision={a.dot_precision!r} must be 'ieee' or 'tf32'")
     if a.dot_precision == "tf32" and DType.FP32 not in s.dtypes:
         rules.append("algorithm.dot_precision='tf32' applies to fp32 inputs only; the dtypes have no fp32")
-    if DType.FP64 in s.dtypes and tuple(s.archs) != (CPU,):
-        rules.append(f"fp64 runs in Triton's interpreter only: a config with fp64 must have archs "
-                     f"['{CPU}'], got {list(s.archs)}")
     served = KVCACHE_FEATURES if s.family in KVCACHE_FAMILIES else DENSE_FEATURES
     extra = s.features - served
     if extra:
@@ -390,6 +387,11 @@ def autofill_report(spec: str | None = None, *, family: Family | str | None = No
     config = KernelConfig(Signature(fam, dtypes, archs, hd_max, hd_min, feats),
                           Algorithm(block[0], block[1], warps, stages, Pipeline.TRITON, precision),
                           notes="autofilled")
+    if DType.FP64 in dtypes and archs != (CPU,):
+        # A hand-built config may list fp64 for CUDA (`fmha kernels build` skips it); autofill
+        # does not make configs with parts that can never run.
+        raise ConfigError(f"invalid kernel config: fp64 runs in Triton's interpreter only: a config with fp64 "
+                          f"must have archs ['{CPU}'], got {list(archs)}")
     estimate = shared_memory_estimate(config, DType.FP32 if DType.FP32 in dtypes else dtypes[0])
     if estimate is not None and not on_cpu and estimate > _SM90_SHARED:
         sources["warning"] = (f"estimated shared memory {estimate} bytes (q tile + {stages} stages of k/v "
