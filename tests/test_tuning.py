@@ -258,3 +258,16 @@ def test_the_runner_that_tune_times_forces_the_candidate(family):
 def test_the_runner_refuses_a_problem_it_cannot_build():
     with pytest.raises(ValueError, match="give another problem.*'layout': \\('bshd', 'bhsd'\\)"):
         tuning.runner(OTHER_FWD, problem().with_(layout="bshd"), "cpu")
+
+
+def test_the_default_dispatcher_reads_the_db_in_fmha_cache_dir(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FMHA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fmha.dispatcher, "_default", None)  # built afresh, reading the new dir
+    argv = ["kernels", "explain", "--arch", "cpu", "-b", "1", "--nhead-q", "2", "--seqlen-q", "100",
+            "--hdim-q", "64", "--causal"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and f"selected: {CPU_FWD.name} (heuristic: first fit" in out
+    prob = cli._spec_from_args(cli.build_parser().parse_args(argv), True).problem("cpu")
+    TuningDB(tmp_path / "tuning.json").record(prob, Family.FWD, {CPU_FWD.name: 0.5})
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and f"selected: {CPU_FWD.name} (tuned: fastest of 1 measured, 0.5 ms" in out
