@@ -9,8 +9,10 @@ implementation, so `torch.compile` traces it without graph breaks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,17 @@ def set_dispatcher(dispatcher: Dispatcher | None) -> None:
 
 def get_dispatcher() -> Dispatcher:
     return _dispatcher if _dispatcher is not None else default_dispatcher()
+
+
+@contextlib.contextmanager
+def use_dispatcher(dispatcher: Dispatcher | None) -> Iterator[Dispatcher]:
+    """`set_dispatcher(dispatcher)` for a `with` block; the previous one is restored after."""
+    previous = _dispatcher
+    set_dispatcher(dispatcher)
+    try:
+        yield get_dispatcher()
+    finally:
+        set_dispatcher(previous)
 
 
 @functools.lru_cache(maxsize=4096)

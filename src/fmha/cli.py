@@ -9,11 +9,16 @@
     fmha kernels build --arch sm90 --jobs 8
     fmha kernels export registry.json ; fmha kernels import registry.json
     fmha bench --suite quick --json bench.json
+    fmha kernels autofill fwd fp16 d128 m128n64
+    fmha sweep seqlen --causal --csv sweep.csv --plot sweep.png
+    fmha stress --count 50 --seed 1 --time-budget 600
+    fmha tune --profile flash_fwd --shapes 4x16x4096x128 4x16x4096x128:causal
 
 Exit codes: 0 success; 1 a validation failed (`run`), a check of the study failed
 (`numerics`), no kernel fits (`kernels explain`) or a config failed to build (`kernels
 build`); 2 bad arguments, an error from fmha ("error: ..." on stderr, no traceback), a
-refused registry file, or `bench` without a GPU.
+refused registry file, or `bench` without a GPU. `sweep` and `stress` exit 1 when a point
+or case fails its check; `tune` exits 2 without a GPU (unless --dry-run).
 """
 
 from __future__ import annotations
@@ -32,11 +37,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import bench, numerics, numerics_study, precompile, reference
+from . import bench, numerics, numerics_study, precompile, reference, sweeps, tuning
 from .api import attention, get_dispatcher, problem_of
-from .configs import CPU, CUDA_ARCHS, ConfigError, Family, KernelConfig
+from .configs import CPU, CUDA_ARCHS, SPEC_FORMS, ConfigError, Family, KernelConfig, autofill_report
 from .dispatcher import Dispatcher, NoKernelError
-from .problem import DType, MaskAlign, Problem
+from .problem import DType, Feature, MaskAlign, Problem
 from .registry import PROFILES, Registry
 
 # Sizes `fmha run` / `fmha kernels explain` use for flags not given: small for the CPU
@@ -583,6 +588,172 @@ def _cmd_kernels_build(args: argparse.Namespace, console: Any) -> int:
 
 
 # ----------------------------------------------------------------------------------------
+# `fmha kernels autofill`.
+
+
+def _cmd_kernels_autofill(args: argparse.Namespace, console: Any) -> int:
+    config, sources = autofill_report(
+        " ".join(args.spec) or None, family=args.family, dtype=args.dtype, head_dim=args.hdim, tile=args.tile,
+        arch=args.arch, num_warps=args.warps, num_stages=args.stages, features=args.features,
+        registry=_registry(args) if args.registry else None)
+    print(json.dumps({**config.to_dict(), "filled": sources}, indent=2))
+    if args.out:
+        try:
+            Registry([config], name="autofill").save(args.out)
+        except OSError as e:
+            raise ConfigError(f"cannot write {args.out}: {e.strerror or e}") from None
+        print(f"wrote {args.out} (a registry of this one config)", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------
+# `fmha sweep` and `fmha stress`.
+
+
+def _cmd_sweep(args: argparse.Namespace, console: Any) -> int:
+    device = _device(args.device)
+    on_cpu = device.type == "cpu"
+    base = _spec_from_args(args, on_cpu, title="sweep")
+    values = args.values or list(sweeps.DEFAULT_VALUES["cpu" if on_cpu else "cuda"][args.axis])
+    from rich.progress import Progress
+
+    with Progress(console=console, disable=args.no_progress, transient=True) as bar:
+        task = bar.add_task(f"sweep {args.axis}", total=len(values))
+        rows = sweeps.sweep(args.axis, values, base, device, validate=not args.no_validate, warmup=args.warmup,
+                            repeat=args.repeat, progress=lambda text: bar.update(task, advance=1, description=text))
+    console.print(sweeps.sweep_table(rows))
+    settings = {"axis": args.axis, "values": values, "base": asdict(base), "device": str(device),
+                "validate": not args.no_validate}
+    for path, write in ((args.csv, lambda p: sweeps.write_csv(p, rows)),
+                        (args.json, lambda p: sweeps.write_json(p, rows, settings)),
+                        (args.plot, lambda p: sweeps.plot(p, rows))):
+        if path:
+            write(path)
+            console.print(f"wrote {path}", soft_wrap=True)
+    failed = [r for r in rows if not r["ok"]]
+    if failed:
+        console.print(f"{len(failed)} of {len(rows)} points FAILED", style="red")
+    return 1 if failed else 0
+
+
+def _cmd_stress(args: argparse.Namespace, console: Any) -> int:
+    device = _device(args.device)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=args.no_progress, transient=True) as bar:
+        task = bar.add_task("stress", total=args.count)
+        rows = sweeps.stress(args.count, args.seed, device, time_budget=args.time_budget, backward=args.backward,
+                             random_tiles=args.random_tiles,
+                             progress=lambda text: bar.update(task, advance=1, description=text))
+    console.print(sweeps.stress_table(rows, failures_only=args.failures_only))
+    failed = [r for r in rows if not r["ok"]]
+    if len(rows) < args.count:
+        console.print(f"time budget of {args.time_budget:g} s reached: {len(rows)} of {args.count} cases ran")
+    for r in failed:
+        console.print(f"case {r['index']} FAILED ({r['error'] or r['check']}); the forward of it: "
+                      f"fmha run --device {device.type} {r['flags']}", style="red", soft_wrap=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ok": not failed, "seed": args.seed, "count": args.count,
+                                               "ran": len(rows), "device": str(device), "rows": rows},
+                                              indent=2, default=str))
+        console.print(f"wrote {args.json}", soft_wrap=True)
+    console.print(f"stress (seed {args.seed}): {len(rows) - len(failed)} of {len(rows)} cases ok",
+                  style="red" if failed else "green")
+    return 1 if failed else 0
+
+
+# ----------------------------------------------------------------------------------------
+# `fmha tune`.
+
+
+def _tune_shape(text: str) -> tuple[int, int, int, int, int, bool]:
+    """"BxHxSxD" or "BxHqxHkxSxD", optionally ":causal" -> (B, Hq, Hk, S, D, causal)."""
+    body, _, suffix = text.partition(":")
+    try:
+        numbers = [int(x) for x in body.lower().split("x")]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (4, 5) or min(numbers, default=0) < 1 or suffix not in ("", "causal"):
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not BxHxSxD or BxHqxHkxSxD with an optional "
+                                         f"':causal' (e.g. 4x16x4096x128:causal)")
+    if len(numbers) == 4:
+        numbers.insert(2, numbers[1])
+    b, hq, hk, seqlen, d = numbers
+    if hq % hk:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: Hq={hq} is not a multiple of Hk={hk}")
+    return b, hq, hk, seqlen, d, suffix == "causal"
+
+
+TUNE_DEFAULT_SHAPES = tuple(f"{16384 // s}x16x{s}x{d}{c}" for d in (64, 128, 256) for s in (1024, 4096, 16384)
+                            for c in ("", ":causal"))
+
+
+def _cmd_tune(args: argparse.Namespace, console: Any) -> int:
+    registry = _registry(args)
+    if args.family:
+        families = [Family(f) for f in args.family]
+    else:
+        profile_families = PROFILES[args.profile or "flash_fwd"][0]
+        families = [f for f in tuning.TUNABLE_FAMILIES if profile_families is None or f in profile_families]
+    if not families:
+        raise ValueError(f"profile {args.profile!r} has no tunable family; tunable: "
+                         f"{[f.value for f in tuning.TUNABLE_FAMILIES]}")
+    arch = args.arch or (current_arch() if torch.cuda.is_available() else precompile.DEFAULT_ARCH)
+    shapes = args.shapes or [_tune_shape(s) for s in TUNE_DEFAULT_SHAPES]
+    problems = [Problem(b, hq, hk, seqlen, seqlen, d, d, dtype=DType(dtype), arch=arch, causal=causal,
+                        window=(-1, 0) if causal else (-1, -1), deterministic=args.deterministic)
+                for dtype in args.dtype for b, hq, hk, seqlen, d, causal in shapes]
+    db = tuning.TuningDB(args.db)
+    plan = [(p, f, tuning.candidates(registry, p, f)) for p in problems for f in families
+            if f != Family.BWD_DQ or p.deterministic]
+    if args.dry_run:
+        for problem, family, configs in plan:
+            console.print(f"{family.value} {problem.describe()}: {len(configs)} candidate(s)", soft_wrap=True)
+            for c in configs:
+                console.print(f"    {c.name}", soft_wrap=True)
+        console.print(f"{len(plan)} (problem, family) pairs, {sum(len(c) for _, _, c in plan)} timings; "
+                      f"DB {db.path} (not written: --dry-run)", soft_wrap=True)
+        return 0
+    if not torch.cuda.is_available():
+        print("error: fmha tune needs a CUDA GPU (torch.cuda.is_available() is False): it times kernels, and "
+              "the CPU interpreter's timings mean nothing for a GPU. Use `fmha tune --dry-run` to list the "
+              "problems and candidates.", file=sys.stderr)
+        return 2
+    if arch != current_arch():
+        raise ValueError(f"--arch {arch} is not this GPU's arch ({current_arch()}): tuning times this GPU")
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=args.no_progress) as bar:
+        task = bar.add_task("tune", total=sum(len(c) for _, _, c in plan))
+        results = tuning.tune(problems, families, registry=registry, db=db,
+                              timer=tuning.gpu_timer(args.warmup_ms, args.rep_ms),
+                              progress=lambda n, text: bar.update(task, advance=n, description=text[:80]))
+    from rich.table import Table
+
+    table = Table(title=f"fmha tune on {tuning.device_name(arch)}: DB {db.path}", title_justify="left")
+    for column in ("family", "problem", "chosen", "ms", "candidates (ms)"):
+        table.add_column(column, overflow="fold")
+    for r in results:
+        chosen_ms = r.timings_ms.get(r.chosen) if r.chosen else None
+        others = ", ".join(f"{n.split('_triton_')[-1]}={'failed' if t is None else f'{t:.4g}'}"
+                           for n, t in r.timings_ms.items())
+        table.add_row(r.family.value, r.problem.describe(), r.chosen or "none ran",
+                      "-" if chosen_ms is None else f"{chosen_ms:.4g}", others,
+                      style=None if r.chosen else "red")
+    console.print(table)
+    for r in results:
+        for name, error in r.errors.items():
+            console.print(f"{name} failed on {r.problem.describe()}: {error}", soft_wrap=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"gpu": tuning.device_name(arch), "db": str(db.path),
+                                               "results": [r.to_dict() for r in results]}, indent=2))
+        console.print(f"wrote {args.json}", soft_wrap=True)
+    return 0 if all(r.chosen for r in results) else 1
+
+
+# ----------------------------------------------------------------------------------------
 # The parser and main.
 
 
@@ -691,6 +862,101 @@ def build_parser() -> argparse.ArgumentParser:
     k = ks.add_parser("import", help="read and validate a registry JSON, print its statistics")
     k.add_argument("file", metavar="FILE")
     k.set_defaults(func=_cmd_kernels_import)
+
+    k = ks.add_parser("autofill", help="complete a short spec (family, dtype, head dims, tile) to a full "
+                      "config and print its JSON",
+                      description="Complete a short spec to a full, valid kernel config and print its JSON "
+                      "(importable; 'filled' says where each default came from). Spec tokens: "
+                      + "; ".join(SPEC_FORMS) + ". Example: fmha kernels autofill fwd fp16 d128 m128n64. "
+                      "An invalid config is refused with the rule it breaks (exit code 2).")
+    k.add_argument("spec", nargs="*", help="spec tokens, e.g. fwd fp16-bf16 d128 m128n64w8s3")
+    k.add_argument("--family", choices=[f.value for f in Family], default=None)
+    k.add_argument("--dtype", action="append", choices=[d.value for d in DType], default=None,
+                   help="a dtype of the signature (repeat for several)")
+    k.add_argument("--hdim", type=_int_at_least(1), default=None, help="largest head dim served")
+    k.add_argument("--tile", default=None, help="m<block_m>n<block_n>[w<warps>][s<stages>], e.g. m128n64")
+    k.add_argument("--arch", default=None, help="cuda (every CUDA arch, default), cpu, sm90, sm80-sm90")
+    k.add_argument("--warps", type=_int_at_least(1), default=None)
+    k.add_argument("--stages", type=_int_at_least(1), default=None)
+    k.add_argument("--features", nargs="+", choices=[f.value for f in Feature], default=None,
+                   help="the features served (default: everything the family serves)")
+    k.add_argument("--registry", metavar="FILE", default=None,
+                   help="take defaults from this registry JSON instead of the stock one")
+    k.add_argument("--out", metavar="FILE", default=None, help="also write a registry JSON of this config")
+    k.set_defaults(func=_cmd_kernels_autofill)
+
+    p = sub.add_parser("sweep", help="run the dispatcher's kernel over a range of one size, timed and checked",
+                       description="One problem per value of AXIS (the other sizes from the problem flags), "
+                       "each through fmha.attention with the kernel the dispatcher selects: timed (CUDA events "
+                       "on a GPU; the interpreter's wall time on the CPU) and checked against a float64 truth "
+                       "(the whole problem, or batch 0 / one KV-head group when large, skipped when still too "
+                       "large). Exit code 1 if a point fails.")
+    p.add_argument("axis", choices=sweeps.AXES)
+    p.add_argument("--values", nargs="+", type=_int_at_least(1), default=None,
+                   help="values of the axis (default: " + "; ".join(
+                       f"{axis} {list(sweeps.DEFAULT_VALUES['cuda'][axis])} on CUDA, "
+                       f"{list(sweeps.DEFAULT_VALUES['cpu'][axis])} on the CPU" for axis in sweeps.AXES) + ")")
+    _add_problem_flags(p)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--no-validate", action="store_true", help="skip the checks against float64")
+    p.add_argument("--repeat", type=_int_at_least(1), default=None, help="timed calls per point (default 10 on "
+                   "CUDA, 1 on the CPU)")
+    p.add_argument("--warmup", type=_int_at_least(0), default=None, help="untimed calls first (default 3 on "
+                   "CUDA, 0 on the CPU)")
+    p.add_argument("--csv", metavar="FILE", default=None)
+    p.add_argument("--json", metavar="FILE", default=None)
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="TFLOP/s (GPU) or ms (CPU) per value")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_sweep)
+
+    p = sub.add_parser("stress", help="many random problems, each checked against float64",
+                       description="Random problems (dtype, shapes, GQA, layout, causal/window/alignment, sink "
+                       "tokens, soft-cap, bias or ALiBi, sink logits, dropout, input seed) from --seed, each "
+                       "run through fmha.attention and checked against a float64 truth. Small on the CPU. "
+                       "Exit code 1 if any case fails; each failure prints the `fmha run` flags that "
+                       "reproduce it.")
+    p.add_argument("--count", type=_int_at_least(1), default=20, help="cases (default 20)")
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--time-budget", type=_nonneg_float, default=None, metavar="S",
+                   help="start no new case after S seconds (default: no limit)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--backward", action="store_true", help="also check dq, dk, dv (the deterministic backward "
+                   "for cases with an odd input seed)")
+    p.add_argument("--random-tiles", action="store_true", help="run each forward with a random fwd config "
+                   "(tile, warps, stages) instead of the dispatcher's choice")
+    p.add_argument("--failures-only", action="store_true", help="table rows for failed cases only")
+    p.add_argument("--json", metavar="FILE", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_stress)
+
+    p = sub.add_parser("tune", help="time the candidate configs of a family on this GPU; write the tuning DB",
+                       description="For each problem (shapes x dtypes) and tunable family of the profile, time "
+                       "every config of the registry that serves it (triton.testing.do_bench median) and record "
+                       "the fastest in the tuning DB, which the dispatcher then follows ('tuned: ...' in "
+                       "explain). Needs a CUDA GPU, except --dry-run. Exit code 1 if no candidate ran for "
+                       "some problem.")
+    p.add_argument("--profile", choices=sorted(PROFILES), default=None,
+                   help="registry profile: its configs are the candidates, its tunable families are tuned "
+                        f"({', '.join(f.value for f in tuning.TUNABLE_FAMILIES)}; default flash_fwd)")
+    p.add_argument("--family", action="append", choices=[f.value for f in tuning.TUNABLE_FAMILIES], default=None,
+                   help="tune this family (repeat for several) instead of the profile's")
+    p.add_argument("--shapes", nargs="+", type=_tune_shape, default=None, metavar="BxHxSxD[:causal]",
+                   help="B x H x S x D or B x Hq x Hk x S x D, ':causal' for a causal mask (default: D 64, "
+                        "128, 256 x S 1024, 4096, 16384 with B*S = 16384, H 16, causal and not)")
+    p.add_argument("--dtype", nargs="+", choices=["fp16", "bf16", "fp32"], default=["bf16"])
+    p.add_argument("--deterministic", action="store_true", help="deterministic backward problems (bwd_dq)")
+    p.add_argument("--arch", default=None, help="arch of the problems (default: this GPU's; sm90 for --dry-run "
+                   "without CUDA)")
+    p.add_argument("--registry", metavar="FILE", default=None, help="candidates from this registry JSON "
+                   "(its choices are followed by a dispatcher with this registry)")
+    p.add_argument("--db", metavar="FILE", default=None,
+                   help=f"the tuning DB (default: {tuning.DB_NAME} in ${tuning.ENV_CACHE_DIR} or ~/.cache/fmha)")
+    p.add_argument("--warmup-ms", type=_nonneg_float, default=25, help="do_bench warmup (ms)")
+    p.add_argument("--rep-ms", type=_nonneg_float, default=100, help="do_bench repetition time (ms)")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write every timing as JSON")
+    p.add_argument("--dry-run", action="store_true", help="list problems and candidates; time nothing, write nothing")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_tune)
 
     p = sub.add_parser("bench", help="fmha against cuDNN, FlashAttention-2 and FlexAttention (GPU)",
                        description=(bench.__doc__ or "").split("\n\n")[0])

@@ -1,9 +1,10 @@
 """`Dispatcher`: from a `Problem` to a plan of kernel launches.
 
 `supports(config, problem)` gives the reasons a config is refused (empty: it fits);
-`select(problem, family)` picks one config (first fit in registry order, as CK does, or a
-pluggable heuristic); `plan_*` lists the launches of a call; `explain` prints the
-decision with every candidate and its reasons.
+`select(problem, family)` picks one config (the tuning database's choice when it has one
+for the problem, else first fit in registry order, as CK does, or a pluggable heuristic);
+`plan_*` lists the launches of a call; `explain` prints the decision with every
+candidate and its reasons.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from .configs import Family, KernelConfig
 from .problem import Problem
 from .registry import Registry, default_registry
+from .tuning import TuningDB
 
 Heuristic = Callable[[Problem, Sequence[KernelConfig]], KernelConfig]
 
@@ -45,9 +47,12 @@ class Plan:
 
 
 class Dispatcher:
-    def __init__(self, registry: Registry | None = None, heuristic: Heuristic | None = None):
+    def __init__(self, registry: Registry | None = None, heuristic: Heuristic | None = None,
+                 tuning: TuningDB | None = None):
+        """`tuning`: a tuning database whose choices win over the heuristic (None: not used)."""
         self.registry = registry if registry is not None else default_registry()
         self.heuristic = heuristic
+        self.tuning = tuning
 
     @staticmethod
     def supports(config: KernelConfig, problem: Problem) -> list[str]:
@@ -58,17 +63,22 @@ class Dispatcher:
         return [c for c in self.registry if c.family == family and not self.supports(c, problem)]
 
     def select(self, problem: Problem, family: Family = Family.FWD) -> tuple[KernelConfig, str]:
-        """The config for `family`, and a sentence saying why it was chosen."""
+        """The config for `family`, and a sentence saying why it was chosen ("tuned: ..."
+        for a tuning-database choice, "heuristic: ..." otherwise)."""
         fits = self.candidates(problem, family)
         if not fits:
             raise NoKernelError(self._refusal_report(problem, family))
+        tuned, note = (None, "") if self.tuning is None else self.tuning.lookup(problem, family, self.registry)
+        if tuned is not None:
+            return tuned.config, f"tuned: {tuned.describe()}"
+        note = f"; {note}" if note else ""
         if self.heuristic is not None:
             chosen = self.heuristic(problem, fits)
             if chosen not in fits:
                 raise NoKernelError(f"heuristic chose {getattr(chosen, 'name', chosen)!r}, which "
                                     f"is not among the fitting configs {[c.name for c in fits]}")
-            return chosen, f"heuristic {getattr(self.heuristic, '__name__', 'custom')}"
-        return fits[0], f"first fit of {len(fits)} in registry {self.registry.name!r}"
+            return chosen, f"heuristic: {getattr(self.heuristic, '__name__', 'custom')}{note}"
+        return fits[0], f"heuristic: first fit of {len(fits)} in registry {self.registry.name!r}{note}"
 
     def plan_forward(self, problem: Problem, *, return_dropout_mask: bool = False) -> Plan:
         families = [Family.FWD] + ([Family.DROPOUT_MASK] if return_dropout_mask else [])
@@ -146,5 +156,5 @@ _default: Dispatcher | None = None
 def default_dispatcher() -> Dispatcher:
     global _default
     if _default is None:
-        _default = Dispatcher()
+        _default = Dispatcher(tuning=TuningDB())  # tuning.json in $FMHA_CACHE_DIR or ~/.cache/fmha
     return _default
