@@ -33,18 +33,19 @@ def _table_row(b, b_row, KvIndptr, stride_btb, TABLE_INDPTR: tl.constexpr):
 
 
 @triton.jit
-def _kv_slots(b_row, Table, table_row, page_size, n0, cols, col_ok,
-              PAGED: tl.constexpr, PAGE_PER_TILE: tl.constexpr):
-    """(slot, token) of keys `cols` = n0 + arange of one sequence: the cache row or page id
-    (int64) and the position in it. PAGE_PER_TILE: page_size is a multiple of BLOCK_N and n0
-    a multiple of BLOCK_N, so the whole tile is in one page and one page id is loaded."""
+def _kv_slots(b_row, Table, table_row, page_size, n0, len_k,
+              PAGED: tl.constexpr, PAGE_PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(slot, token) of the keys n0 + arange(BLOCK_N) of one sequence: the cache row or
+    page id (int64) and the position in it; page ids past len_k are not read. PAGE_PER_TILE:
+    page_size and n0 are multiples of BLOCK_N, so the tile is in one page: one id is loaded."""
+    cols = n0 + tl.arange(0, BLOCK_N)
     if PAGED:
         if PAGE_PER_TILE:
             page_idx = n0 // page_size
-            slot = tl.load(Table + table_row + page_idx).to(tl.int64)
+            slot = tl.load(Table + table_row + page_idx, mask=n0 < len_k, other=0).to(tl.int64)
             tok = cols - page_idx * page_size
         else:
-            slot = tl.load(Table + table_row + cols // page_size, mask=col_ok, other=0).to(tl.int64)
+            slot = tl.load(Table + table_row + cols // page_size, mask=cols < len_k, other=0).to(tl.int64)
             tok = cols % page_size
     else:
         slot = b_row.to(tl.int64)
@@ -153,11 +154,17 @@ def splitkv_kernel(
             end = main_end
             if HAS_SINK_TOKENS:
                 end = tl.minimum(sink_size, s_hi)
+        # Page ids are loaded one tile ahead (carried through the loop), so the K/V loads
+        # of a tile depend on no load of their own iteration and the software pipeline
+        # runs as deep for a paged cache as for a contiguous one.
+        slot_next, tok_next = _kv_slots(b_row, BlockTable, table_row, page_size, start, len_k,
+                                        PAGED, PAGE_PER_TILE, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < len_k
-            slot, tok = _kv_slots(b_row, BlockTable, table_row, page_size, n0, cols, col_ok,
-                                  PAGED, PAGE_PER_TILE)
+            slot, tok = slot_next, tok_next
+            slot_next, tok_next = _kv_slots(b_row, BlockTable, table_row, page_size, n0 + BLOCK_N, len_k,
+                                            PAGED, PAGE_PER_TILE, BLOCK_N)
             k = tl.load(_kv_tile_ptrs(K, slot, tok, stride_kb, stride_kn, hk, stride_kh, offs_dq),
                         mask=col_ok[:, None] & (offs_dq[None, :] < head_dim_qk), other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
