@@ -3,7 +3,10 @@
 Covers the addressing modes (contiguous, block table per key row, one page id per tile,
 kv_indptr tables), varlen queries (batch prefill) and the feature flags, at the tile
 shapes of the registry's CUDA configs and of the bench variants; prints the shared memory
-each needs (an sm_90 block may use 232448 bytes). Usage:
+each needs (an sm_90 block may use 232448 bytes) and whether the K/V loads are software
+pipelined (cp.async in the PTX). Integer arguments that Triton's runtime would see as
+multiples of 16 (strides, head dims, page size) are marked so, as at run time; without
+that the head-dim masks keep the loads scalar and nothing is pipelined. Usage:
     PYTHONPATH=src python tools/compile_check_kvcache.py
 """
 
@@ -12,7 +15,9 @@ from __future__ import annotations
 import sys
 import time
 
-from compile_check import compile_one
+import triton
+from compile_check import TARGET, signature
+from triton.compiler import ASTSource
 
 from fmha.kernels import kvcache
 
@@ -20,19 +25,33 @@ SMEM_LIMIT = 232448
 FEATURES = ("ALIGN_BOTTOM_RIGHT", "HAS_LEFT", "HAS_RIGHT", "HAS_SINK_TOKENS", "HAS_SOFTCAP", "HAS_ALIBI",
             "HAS_SINKS")
 # (dtype, block_m, block_n, warps, stages, head_dim)
-TILES = [("bf16", 16, 64, 4, 3, 128), ("bf16", 16, 128, 4, 2, 128), ("bf16", 16, 128, 8, 3, 128),
-         ("bf16", 16, 32, 4, 2, 256), ("bf16", 64, 64, 4, 2, 128), ("bf16", 64, 32, 4, 2, 256),
-         ("fp32", 32, 32, 4, 1, 256), ("bf16", 16, 64, 4, 3, 64)]
+TILES = [("bf16", 16, 64, 4, 3, 128), ("bf16", 16, 64, 4, 4, 128), ("bf16", 16, 128, 4, 3, 128),
+         ("bf16", 16, 128, 8, 3, 128), ("bf16", 16, 32, 4, 4, 128), ("bf16", 16, 32, 4, 2, 256),
+         ("bf16", 64, 64, 4, 2, 128), ("bf16", 64, 32, 4, 2, 256), ("fp32", 16, 32, 4, 2, 256),
+         ("fp32", 32, 32, 4, 1, 256)]
 # addressing: (PAGED, TABLE_INDPTR, PAGE_PER_TILE, HAS_CACHE_BATCH_IDX)
 MODES = {"contiguous": (False, False, False, True), "paged rows": (True, False, False, False),
          "paged tiles": (True, False, True, False), "indptr tiles": (True, True, True, False),
          "indptr rows": (True, True, False, False)}
 
 
+def compile_with_runtime_divisibility(kernel, pointers, floats, constexprs, warps, stages):
+    sig = signature(kernel, pointers, floats, constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if name in pointers or name in ("page_size", "head_dim_qk", "head_dim_v", "head_dim")
+             or (name.startswith("stride_") and "alibi" not in name)}
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=TARGET,
+                              options={"num_warps": warps, "num_stages": stages})
+    ptx = compiled.asm["ptx"]
+    return compiled.metadata.shared, ptx.count("cp.async.cg") + ptx.count("cp.async.ca")
+
+
 def splitkv_jobs():
     for dt, bm, bn, w, s, d in TILES:
         for mode, (paged, indptr, per_tile, batch_idx) in MODES.items():
-            for varlen, features, split in ((False, False, True), (True, True, False), (bm == 64, False, False)):
+            if mode in ("indptr rows", "contiguous") and (dt, bm, bn, w, s) != TILES[0][:5]:
+                continue  # same code paths as "paged rows" / the paged modes: once is enough
+            for varlen, features, split in ((False, False, True), (bm == 64, True, False)):
                 constexprs = dict(PAGED=paged, TABLE_INDPTR=indptr, PAGE_PER_TILE=per_tile,
                                   HAS_CACHE_BATCH_IDX=batch_idx, IS_VARLEN=varlen, SPLIT=split,
                                   DOT_PRECISION="ieee", BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=d, BLOCK_DV=d,
@@ -61,10 +80,12 @@ def main() -> int:
     for label, kernel, pointers, floats, constexprs, warps, stages in [*splitkv_jobs(), *append_jobs()]:
         t = time.time()
         try:
-            shared, _ = compile_one(kernel, pointers, floats, constexprs, warps, stages)
+            shared, async_copies = compile_with_runtime_divisibility(kernel, pointers, floats, constexprs, warps,
+                                                                     stages)
             over = shared > SMEM_LIMIT
             failures += over
-            print(f"{'OVER' if over else 'ok  '} {label} smem={shared} ({time.time() - t:.1f}s)", flush=True)
+            print(f"{'OVER' if over else 'ok  '} {label} smem={shared} cp.async={async_copies} "
+                  f"({time.time() - t:.1f}s)", flush=True)
         except Exception as e:  # report every failure, keep going
             failures += 1
             print(f"FAIL {label}: {str(e)[:2000]}", flush=True)
