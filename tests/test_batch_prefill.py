@@ -244,3 +244,26 @@ def test_split_policy_fills_the_gpu_and_round_trips_through_json():
     problem = fmha.Problem(batch=1, nhead_q=8, nhead_k=8, seqlen_q=1, seqlen_k=4096, head_dim_qk=64,
                            head_dim_v=64)
     assert dispatcher.num_splits(problem, 132, 16, 64) == 2
+
+
+def test_reference_page_table_from_indptr_by_hand():
+    table, seqlens = reference.page_table_from_indptr([0, 2, 2, 3], [7, 1, 4], [3, 0, 8], page_size=8)
+    assert table.tolist() == [[7, 1], [0, 0], [4, 0]] and seqlens.tolist() == [11, 0, 8]
+    with pytest.raises(ValueError, match="kv_last_page_len"):
+        reference.page_table_from_indptr([0, 1], [0], [9], page_size=8)
+
+
+def test_reference_batch_prefill_equals_varlen_attention_on_the_cached_keys():
+    """Two references agree: batch prefill over a contiguous cache (no append) is varlen
+    attention with each sequence's cached keys packed."""
+    rng = np.random.default_rng()
+    q_lens, k_lens = [3, 1, 5], [7, 2, 5]
+    q = rng.standard_normal((sum(q_lens), 4, 8))
+    kc, vc = rng.standard_normal((3, 9, 2, 8)), rng.standard_normal((3, 9, 2, 8))
+    o, lse, _, _ = reference.batch_prefill_with_kvcache(q, kc, vc, cu(q_lens).numpy(), cache_seqlens=k_lens,
+                                                        causal=True, window=(3, 0))
+    k = np.concatenate([kc[b, :n] for b, n in enumerate(k_lens)])
+    v = np.concatenate([vc[b, :n] for b, n in enumerate(k_lens)])
+    ro, rl = reference.attention_varlen_fwd(q, k, v, cu(q_lens).numpy(), cu(k_lens).numpy(), causal=True,
+                                            window=(3, 0))
+    assert np.abs(o - ro).max() < 1e-12 and np.abs(lse - rl).max() < 1e-12

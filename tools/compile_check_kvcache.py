@@ -51,7 +51,7 @@ def splitkv_jobs():
         for mode, (paged, indptr, per_tile, batch_idx) in MODES.items():
             if mode in ("indptr rows", "contiguous") and (dt, bm, bn, w, s) != TILES[0][:5]:
                 continue  # same code paths as "paged rows" / the paged modes: once is enough
-            for varlen, features, split in ((False, False, True), (bm == 64, True, False)):
+            for varlen, features, split in ((False, False, True), (bm >= 32, True, False)):
                 constexprs = dict(PAGED=paged, TABLE_INDPTR=indptr, PAGE_PER_TILE=per_tile,
                                   HAS_CACHE_BATCH_IDX=batch_idx, IS_VARLEN=varlen, SPLIT=split,
                                   DOT_PRECISION="ieee", BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=d, BLOCK_DV=d,
