@@ -204,7 +204,9 @@ def attention_with_kvcache(
         rotary_cos, rotary_sin: (max_pos, rotary_dim / 2); k and q are rotated at positions
             base[b] + t, base[b] = the tokens before the append (interleaved pairs or NeoX
             halves).
-        num_splits: 0 picks by the dispatcher's split policy; 1..128 forces it.
+        num_splits: 0 picks by the dispatcher's `SplitPolicy` from the shapes (lengths stay
+            on the device: it assumes the capacity, or with kv_indptr tables the mean
+            kv_indices.numel() * page_size / B); 1..128 forces it.
         Masks, soft-cap, ALiBi and sink logits as in `fmha.attention`; the bottom-right
         alignment puts the last query on the last key of each batch.
     Returns: o (B, Sq, Hq, Dv) [varlen: (total_q, Hq, Dv)] in q's dtype, and, if
