@@ -81,7 +81,8 @@ def check_sequences(o, lse, q, pool, q_ranges, lse_of, **mask):
 
 def lengths_up_to(rng, batch, context):
     lengths = torch.randint(1, context + 1, (batch,), generator=rng).tolist()
-    lengths[0], lengths[-1] = context, 1  # the longest and the shortest
+    lengths[-1] = 1  # the shortest, and the longest (first, so that a batch of one is the longest)
+    lengths[0] = context
     return lengths
 
 
