@@ -16,7 +16,7 @@ from .api import (
     set_dispatcher,
 )
 from .configs import Algorithm, ConfigError, Family, KernelConfig, Pipeline, Signature
-from .dispatcher import Dispatcher, NoKernelError, Plan
+from .dispatcher import Dispatcher, NoKernelError, Plan, SplitPolicy
 from .kvcache import attention_with_kvcache, merge_states
 from .problem import DType, Feature, MaskAlign, Problem
 from .registry import Registry, default_registry
@@ -28,6 +28,6 @@ __all__ = [
     "attention", "attention_varlen", "attention_with_kvcache", "merge_states", "explain", "problem_of",
     "get_dispatcher", "set_dispatcher",
     "set_debug", "Algorithm", "ConfigError", "Family", "KernelConfig", "Pipeline", "Signature",
-    "Dispatcher", "NoKernelError", "Plan", "DType", "Feature", "MaskAlign", "Problem", "Registry",
+    "Dispatcher", "NoKernelError", "Plan", "SplitPolicy", "DType", "Feature", "MaskAlign", "Problem", "Registry",
     "default_registry", "__version__",
 ]

@@ -9,8 +9,10 @@ candidate and its reasons.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from .configs import Family, KernelConfig
 from .problem import Problem
@@ -46,13 +48,74 @@ class Plan:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class SplitPolicy:
+    """How many key splits a KV-cache call gets when it asks for num_splits=0
+    (flash-decoding; FlashAttention's wave-efficiency rule). JSON: to_dict / from_dict.
+
+    programs_per_sm: programs of the split-KV kernel one SM runs at once (decode tiles
+        fit two on an H100/H200); a GPU has sm_count * programs_per_sm slots.
+    fill: with at least fill * slots programs without splitting, do not split.
+    min_tiles_per_split: every split reads at least this many key tiles.
+    max_splits: at most this many splits (the kernel accepts up to 128).
+    efficiency: take the fewest splits whose wave efficiency (programs / slots, over the
+        waves rounded up) is within this fraction of the best.
+    """
+
+    programs_per_sm: int = 2
+    fill: float = 0.8
+    min_tiles_per_split: int = 4
+    max_splits: int = 128
+    efficiency: float = 0.85
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.programs_per_sm, int) and self.programs_per_sm >= 1):
+            raise ValueError(f"SplitPolicy.programs_per_sm={self.programs_per_sm!r} must be an int >= 1")
+        if not (isinstance(self.min_tiles_per_split, int) and self.min_tiles_per_split >= 1):
+            raise ValueError(f"SplitPolicy.min_tiles_per_split={self.min_tiles_per_split!r} must be an int >= 1")
+        if not (isinstance(self.max_splits, int) and 1 <= self.max_splits <= 128):
+            raise ValueError(f"SplitPolicy.max_splits={self.max_splits!r} must be an int in [1, 128]")
+        for name in ("fill", "efficiency"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise ValueError(f"SplitPolicy.{name}={value!r} must be a number in (0, 1]")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SplitPolicy:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"SplitPolicy has no field(s) {sorted(unknown)}; accepted: {sorted(known)}")
+        return cls(**data)
+
+    def splits(self, programs: int, key_tiles: int, sm_count: int) -> int:
+        """Splits for `programs` programs (batch x KV heads x query tiles), each over
+        `key_tiles` key tiles, on `sm_count` multiprocessors."""
+        slots = sm_count * self.programs_per_sm
+        if programs <= 0 or programs >= self.fill * slots:
+            return 1
+        limit = max(1, min(self.max_splits, key_tiles // self.min_tiles_per_split))
+
+        def efficiency(s: int) -> float:
+            waves = programs * s / slots
+            return waves / math.ceil(waves)
+
+        best = max(efficiency(s) for s in range(1, limit + 1))
+        return next(s for s in range(1, limit + 1) if efficiency(s) >= self.efficiency * best)
+
+
 class Dispatcher:
     def __init__(self, registry: Registry | None = None, heuristic: Heuristic | None = None,
-                 tuning: TuningDB | None = None):
-        """`tuning`: a tuning database whose choices win over the heuristic (None: not used)."""
+                 tuning: TuningDB | None = None, split_policy: SplitPolicy | None = None):
+        """`tuning`: a tuning database whose choices win over the heuristic (None: not used).
+        `split_policy`: the split-KV heuristic for num_splits=0 (default SplitPolicy())."""
         self.registry = registry if registry is not None else default_registry()
         self.heuristic = heuristic
         self.tuning = tuning
+        self.split_policy = split_policy if split_policy is not None else SplitPolicy()
 
     @staticmethod
     def supports(config: KernelConfig, problem: Problem) -> list[str]:
@@ -105,17 +168,13 @@ class Dispatcher:
             families.append(Family.SPLITKV_COMBINE)
         return self._plan(problem, families)
 
-    @staticmethod
-    def num_splits(problem: Problem, sm_count: int, block_m: int, block_n: int) -> int:
-        """Split-KV heuristic (flash-decoding): enough programs to fill the multiprocessors
-        twice, each split keeping at least 4 key tiles, at most 128 splits."""
-        group = problem.nhead_q // problem.nhead_k  # query heads packed into one tile
+    def num_splits(self, problem: Problem, sm_count: int, block_m: int, block_n: int) -> int:
+        """Split-KV count for a KV-cache problem by `self.split_policy`. Programs are
+        batch x KV heads x packed query tiles (the query heads of one KV head share a tile);
+        seqlen_k is the problem's (a capacity or an estimate: lengths stay on the device)."""
+        group = problem.nhead_q // problem.nhead_k
         programs = problem.batch * problem.nhead_k * -(-(problem.seqlen_q * group) // block_m)
-        if programs >= sm_count:
-            return 1
-        by_occupancy = -(-2 * sm_count // programs)
-        by_length = max(1, problem.seqlen_k // (4 * block_n))
-        return max(1, min(128, by_occupancy, by_length))
+        return self.split_policy.splits(programs, -(-problem.seqlen_k // block_n), sm_count)
 
     def _plan(self, problem: Problem, families: Sequence[Family]) -> Plan:
         launches = []

@@ -4,16 +4,20 @@
 values (optionally rotated) are written into the cache in place at `cache_seqlens`, then
 q (rotated at its positions) attends to the first `cache_seqlens[b] + Snew` keys of its
 batch. The cache is contiguous (B_cache, S_cache, Hk, D) or paged
-(num_pages, page_size, Hk, D) with a vLLM-style `block_table`. Nothing here reads a
-device tensor on the host (unless debug mode checks values), so a decode step can be
-captured in a CUDA graph. Keys may be split across programs (flash-decoding); partial
-results are merged by the combine kernel, which also serves `merge_states`.
+(num_pages, page_size, Hk, D), addressed by a vLLM-style `block_table` or by
+FlashInfer/SGLang page tables (`kv_indptr`, `kv_indices`, `kv_last_page_len`). Queries
+are (B, Sq, Hq, D), or packed varlen (total_q, Hq, D) with `cu_seqlens_q` (batch prefill:
+chunked prefill and decode sequences in one call). Nothing here reads a device tensor on
+the host (unless debug mode checks values), so a step can be captured in a CUDA graph.
+Keys may be split across programs (flash-decoding); partial results are merged by the
+combine kernel, which also serves `merge_states`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -39,33 +43,176 @@ def _check_index(name: str, t, ndim: int, device) -> None:
         raise ValueError(f"{name} is on {t.device} but q is on {device}")
 
 
+@dataclass(frozen=True)
+class _Queries:
+    """q's shape: (B, Sq, Hq, D), or packed (total_q, Hq, D) with cu_seqlens_q."""
+
+    batch: int
+    seqlen_q: int  # max_seqlen_q for varlen
+    nhead_q: int
+    head_dim: int
+    cu_seqlens_q: Tensor | None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    def new_tokens(self, k: Tensor | None) -> Tensor | int:
+        """Keys appended per sequence: 0 without k, Snew, or each sequence's query count
+        (varlen: one new token per query)."""
+        if k is None:
+            return 0
+        return self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1] if self.varlen else k.shape[1]
+
+
+def _check_queries(q, cu_seqlens_q, max_seqlen_q) -> _Queries:
+    if cu_seqlens_q is None:
+        if max_seqlen_q is not None:
+            raise ValueError(f"max_seqlen_q={max_seqlen_q!r} is for packed (varlen) queries; pass "
+                             f"cu_seqlens_q with it, or neither")
+        V.check_tensor("q", q, 4)
+        batch, seqlen_q, nhead_q, head_dim = q.shape
+        return _Queries(batch, seqlen_q, nhead_q, head_dim, None)
+    if not isinstance(q, Tensor) or q.dim() != 3:
+        shape = tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__
+        raise ValueError(f"q has shape {shape}; with cu_seqlens_q, q must be packed (total_q, Hq, D)")
+    V.check_tensor("q", q, 3)
+    V.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    if max_seqlen_q is None:
+        raise ValueError("cu_seqlens_q needs max_seqlen_q (int, the longest query sequence), as in "
+                         "flash_attn_varlen_func")
+    V.check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
+    return _Queries(cu_seqlens_q.numel() - 1, max_seqlen_q, q.shape[1], q.shape[2], cu_seqlens_q)
+
+
+@dataclass(frozen=True)
+class _CacheIndex:
+    """Where each sequence's keys are, and how many there are (device tensors)."""
+
+    base: Tensor  # int32 (B,): tokens before this call's append (new tokens go at base + t)
+    seqlens_k: Tensor  # int32 (B,): keys attended to, base + new tokens
+    table: Tensor | None  # block_table (B, max_pages), or kv_indices with indptr
+    indptr: Tensor | None  # kv_indptr (B + 1,)
+    cache_batch_idx: Tensor | None
+    seqlen_k: int  # for kernel choice: the capacity, or the mean length for indptr tables
+
+
+def _no_new(n_new: Tensor | int) -> bool:
+    return isinstance(n_new, int) and n_new == 0
+
+
+def _cache_index(qs: _Queries, k_cache, n_new, *, cache_seqlens, block_table, cache_batch_idx,
+                 kv_indptr, kv_indices, kv_last_page_len) -> _CacheIndex:
+    """Validate one of the two page-table forms (or a contiguous cache) and resolve the
+    per-sequence key counts on the device (no host synchronisation)."""
+    batch, device = qs.batch, k_cache.device
+    tables = dict(kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len)
+    if any(t is not None for t in tables.values()):
+        missing = [name for name, t in tables.items() if t is None]
+        if missing:
+            raise ValueError(f"kv_indptr, kv_indices and kv_last_page_len come together (FlashInfer/"
+                             f"SGLang page tables); missing: {', '.join(missing)}")
+        given = [name for name, t in (("block_table", block_table), ("cache_seqlens", cache_seqlens),
+                                      ("cache_batch_idx", cache_batch_idx)) if t is not None]
+        if given:
+            raise ValueError(f"pass either block_table + cache_seqlens or kv_indptr + kv_indices + "
+                             f"kv_last_page_len (which give the lengths), not both; also got "
+                             f"{', '.join(given)}")
+        _check_index("kv_indptr", kv_indptr, 1, device)
+        _check_index("kv_indices", kv_indices, 1, device)
+        _check_index("kv_last_page_len", kv_last_page_len, 1, device)
+        if kv_indptr.numel() != batch + 1:
+            raise ValueError(f"kv_indptr has {kv_indptr.numel()} entries; accepted: batch + 1 = {batch + 1}")
+        if kv_last_page_len.numel() != batch:
+            raise ValueError(f"kv_last_page_len has {kv_last_page_len.numel()} entries; accepted: batch={batch}")
+        page_size = k_cache.shape[1]
+        pages = kv_indptr[1:] - kv_indptr[:-1]
+        seqlens_k = torch.where(pages > 0, (pages - 1) * page_size + kv_last_page_len, 0).to(torch.int32)
+        base = seqlens_k if _no_new(n_new) else seqlens_k - n_new
+        if device.type == "cpu" or V.debug_enabled():
+            _check_indptr_values(kv_indptr, kv_indices, kv_last_page_len, n_new, page_size, k_cache.shape[0])
+        mean_pages = -(-kv_indices.numel() // max(batch, 1))
+        return _CacheIndex(base.to(torch.int32), seqlens_k, kv_indices, kv_indptr, None,
+                           max(1, mean_pages * page_size))
+    if block_table is not None:
+        _check_index("block_table", block_table, 2, device)
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table has {block_table.shape[0]} rows; accepted: batch={batch}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx is for contiguous caches; a paged cache uses block_table")
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is not None:
+            _check_index("cache_batch_idx", cache_batch_idx, 1, device)
+            if cache_batch_idx.numel() != batch:
+                raise ValueError(f"cache_batch_idx has {cache_batch_idx.numel()} entries; accepted: {batch}")
+        elif k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has {batch} (pass "
+                             f"cache_batch_idx to pick rows)")
+    if cache_seqlens is None:
+        full = capacity if _no_new(n_new) else 0
+        cache_seqlens = torch.full((batch,), full, dtype=torch.int32, device=device)
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    _check_index("cache_seqlens", cache_seqlens, 1, device)
+    if cache_seqlens.numel() != batch:
+        raise ValueError(f"cache_seqlens has {cache_seqlens.numel()} entries; accepted: batch={batch}")
+    if device.type == "cpu" or V.debug_enabled():
+        _check_kvcache_values(cache_seqlens, n_new, capacity, block_table, k_cache.shape[0], cache_batch_idx)
+    seqlens_k = cache_seqlens if _no_new(n_new) else cache_seqlens + n_new
+    return _CacheIndex(cache_seqlens, seqlens_k.to(torch.int32), block_table, None, cache_batch_idx, capacity)
+
+
 def attention_with_kvcache(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, *, k: Tensor | None = None, v: Tensor | None = None,
     cache_seqlens: Tensor | int | None = None, block_table: Tensor | None = None,
-    cache_batch_idx: Tensor | None = None, rotary_cos: Tensor | None = None,
-    rotary_sin: Tensor | None = None, rotary_interleaved: bool = False, num_splits: int = 0,
-    scale: float | None = None, causal: bool = False, window: tuple[int, int] = (-1, -1),
+    cache_batch_idx: Tensor | None = None, kv_indptr: Tensor | None = None,
+    kv_indices: Tensor | None = None, kv_last_page_len: Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None, max_seqlen_q: int | None = None,
+    rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None, rotary_interleaved: bool = False,
+    num_splits: int = 0, scale: float | None = None, causal: bool = False, window: tuple[int, int] = (-1, -1),
     mask_align: str = "bottom_right", sink_size: int = 0, softcap: float = 0.0,
     alibi_slopes: Tensor | None = None, sinks: Tensor | None = None, return_lse: bool = False,
 ):
     """Attention of q over a KV cache, appending k/v first (inference; no autograd).
 
     Args:
-        q: (B, Sq, Hq, D). k_cache, v_cache: (B_cache, S_cache, Hk, D) or, with
-            block_table, (num_pages, page_size, Hk, D); any page size >= 1. Modified in
+        q: (B, Sq, Hq, D); or, with cu_seqlens_q, packed (total_q, Hq, D) (batch prefill).
+        k_cache, v_cache: (B_cache, S_cache, Hk, D), or paged (num_pages, page_size, Hk, D)
+            with block_table or the kv_indptr tables; any page size >= 1. Modified in
             place when k/v are given.
-        k, v: (B, Snew, Hk, D) new tokens, written at cache_seqlens[b] + t.
+        k, v: new tokens, written into the cache before attention: (B, Snew, Hk, D) at
+            positions cache_seqlens[b] + t; with cu_seqlens_q, packed (total_q, Hk, D), one
+            per query (sequence b appends its seqlen_q[b] tokens).
         cache_seqlens: int32 (B,) tokens already in each cache (or one int); None: full.
-        block_table: int32 (B, max_pages) page ids. cache_batch_idx: int32 (B,) cache row
-            of each batch (contiguous caches only).
+        block_table: int32 (B, max_pages) page ids (vLLM). cache_batch_idx: int32 (B,) cache
+            row of each batch (contiguous caches only).
+        kv_indptr, kv_indices, kv_last_page_len: FlashInfer/SGLang page tables, instead of
+            block_table + cache_seqlens (all three or none). Sequence b owns the pages
+            kv_indices[kv_indptr[b]:kv_indptr[b + 1]] (int32; kv_indptr (B + 1,) starts at 0
+            and never decreases); its last page holds kv_last_page_len[b] tokens, in
+            [1, page_size], or 0 for a sequence with no pages. The tables describe the cache
+            AFTER this call's append (FlashInfer convention): sequence b has
+            L = (pages - 1) * page_size + kv_last_page_len[b] keys and new k/v take its
+            last Snew positions (L >= Snew).
+        cu_seqlens_q: int32 (B + 1,) prefix sums of the query counts (from 0, ending at
+            total_q); max_seqlen_q: int, the longest. Sequences mix decode (1 query) and
+            prefill chunks (many); each sees its own keys, bottom-right aligned: with L_b keys
+            (after any append) query t of sequence b sits at position L_b - seqlen_q[b] + t,
+            as flash_attn_varlen_func with a block_table.
         rotary_cos, rotary_sin: (max_pos, rotary_dim / 2); k and q are rotated at positions
-            cache_seqlens[b] + t (interleaved pairs or NeoX halves).
-        num_splits: 0 picks by a heuristic that fills the GPU; 1..128 forces it.
+            base[b] + t, base[b] = the tokens before the append (interleaved pairs or NeoX
+            halves).
+        num_splits: 0 picks by the dispatcher's `SplitPolicy` from the shapes (lengths stay
+            on the device: it assumes the capacity, or with kv_indptr tables the mean
+            kv_indices.numel() * page_size / B); 1..128 forces it.
         Masks, soft-cap, ALiBi and sink logits as in `fmha.attention`; the bottom-right
         alignment puts the last query on the last key of each batch.
-    Returns: o (B, Sq, Hq, Dv) in q's dtype, and lse (B, Hq, Sq) fp32 if return_lse.
+    Returns: o (B, Sq, Hq, Dv) [varlen: (total_q, Hq, Dv)] in q's dtype, and, if
+        return_lse, lse (B, Hq, Sq) [varlen: (Hq, total_q)] fp32.
     """
-    V.check_tensor("q", q, 4)
+    qs = _check_queries(q, cu_seqlens_q, max_seqlen_q)
     V.check_tensor("k_cache", k_cache, 4)
     V.check_tensor("v_cache", v_cache, 4)
     dtype = V.check_dtype("q", q)
@@ -73,7 +220,7 @@ def attention_with_kvcache(
     left, right = V.check_scalars(scale=scale, softcap=softcap, window=window, sink_size=sink_size,
                                   dropout_p=0.0, causal=causal)
     align = V.check_mask_align(mask_align)
-    batch, seqlen_q, nhead_q, head_dim = q.shape
+    batch, seqlen_q, nhead_q, head_dim = qs.batch, qs.seqlen_q, qs.nhead_q, qs.head_dim
     nhead_k = k_cache.shape[2]
     V.check_heads(nhead_q, nhead_k, v_cache.shape[2])
     if k_cache.shape[-1] != head_dim:
@@ -83,72 +230,30 @@ def attention_with_kvcache(
                          f"agree in all but the last dimension")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         V.check_last_dim_contiguous(name, t)
-    paged = block_table is not None
-    if paged:
-        _check_index("block_table", block_table, 2, q.device)
-        if block_table.shape[0] != batch:
-            raise ValueError(f"block_table has {block_table.shape[0]} rows; accepted: batch={batch}")
-        if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx is for contiguous caches; a paged cache uses block_table")
-        capacity = block_table.shape[1] * k_cache.shape[1]
-    else:
-        capacity = k_cache.shape[1]
-        if cache_batch_idx is not None:
-            _check_index("cache_batch_idx", cache_batch_idx, 1, q.device)
-            if cache_batch_idx.numel() != batch:
-                raise ValueError(f"cache_batch_idx has {cache_batch_idx.numel()} entries; accepted: {batch}")
-        elif k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has {batch} (pass "
-                             f"cache_batch_idx to pick rows)")
-    if cache_seqlens is None:
-        cache_seqlens = torch.full((batch,), capacity if k is None else 0, dtype=torch.int32, device=q.device)
-    elif isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    _check_index("cache_seqlens", cache_seqlens, 1, q.device)
-    if cache_seqlens.numel() != batch:
-        raise ValueError(f"cache_seqlens has {cache_seqlens.numel()} entries; accepted: batch={batch}")
-    n_new = 0
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new tokens for the cache)")
     if k is not None:
-        V.check_tensor("k", k, 4)
-        V.check_tensor("v", v, 4)
-        V.check_same(("q", "k", "v"), (q, k, v))
-        if k.shape[0] != batch or k.shape[2] != nhead_k or k.shape[3] != head_dim:
-            raise ValueError(f"k has shape {tuple(k.shape)}; accepted: ({batch}, Snew, {nhead_k}, {head_dim})")
-        if tuple(v.shape) != (*k.shape[:3], v_cache.shape[-1]):
-            raise ValueError(f"v has shape {tuple(v.shape)}; accepted: {(*k.shape[:3], v_cache.shape[-1])}")
-        n_new = k.shape[1]
+        _check_new_kv(qs, q, k, v, nhead_k, v_cache.shape[-1])
+    cache = _cache_index(qs, k_cache, qs.new_tokens(k), cache_seqlens=cache_seqlens,
+                         block_table=block_table, cache_batch_idx=cache_batch_idx, kv_indptr=kv_indptr,
+                         kv_indices=kv_indices, kv_last_page_len=kv_last_page_len)
+    paged = cache.table is not None
     rotary = rotary_cos is not None or rotary_sin is not None
     if rotary:
-        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-            V.check_tensor(name, t, 2)
-            if t.device != q.device:
-                raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-            if t.stride(-1) != 1:
-                raise ValueError(f"{name} must have a contiguous last dimension")
-        if rotary_cos.shape != rotary_sin.shape:
-            raise ValueError(f"rotary_cos {tuple(rotary_cos.shape)} and rotary_sin "
-                             f"{tuple(rotary_sin.shape)} must have one shape")
-        if not 0 < 2 * rotary_cos.shape[1] <= head_dim:
-            raise ValueError(f"rotary_cos has {rotary_cos.shape[1]} columns: rotary_dim = "
-                             f"{2 * rotary_cos.shape[1]} must be in [2, head_dim={head_dim}]")
+        _check_rotary(rotary_cos, rotary_sin, q.device, head_dim)
         if k is None:
             raise ValueError("rotary_cos/rotary_sin rotate the new k and q: pass k and v")
     if not isinstance(num_splits, int) or not 0 <= num_splits <= 128:
         raise ValueError(f"num_splits={num_splits!r} must be an int in [0, 128] (0: heuristic)")
     V.check_alibi(alibi_slopes, batch, nhead_q, q.device)
     V.check_sinks(sinks, nhead_q, q.device, q.dtype)
-    if q.device.type == "cpu" or V.debug_enabled():
-        _check_kvcache_values(cache_seqlens, n_new, capacity, block_table, k_cache.shape[0],
-                              cache_batch_idx)
 
     problem = Problem(
-        batch=batch, nhead_q=nhead_q, nhead_k=nhead_k, seqlen_q=seqlen_q, seqlen_k=capacity,
+        batch=batch, nhead_q=nhead_q, nhead_k=nhead_k, seqlen_q=seqlen_q, seqlen_k=cache.seqlen_k,
         head_dim_qk=head_dim, head_dim_v=v_cache.shape[-1], dtype=dtype, layout="bshd",
         arch=_arch_of(q.device), causal=causal, window=(left, right), mask_align=align,
         sink_size=sink_size, alibi=alibi_slopes is not None, softcap=float(softcap),
-        sinks=sinks is not None, seqused_k=True, paged_kv=paged,
+        sinks=sinks is not None, varlen=qs.varlen, seqused_k=True, paged_kv=paged,
     )
     dispatcher = get_dispatcher()
     attn_config, _ = dispatcher.select(problem, Family.FWD_SPLITKV)
@@ -159,26 +264,28 @@ def attention_with_kvcache(
     kernels = family_module("kvcache", interpreted=q.device.type == "cpu")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     alibi2 = None if alibi_slopes is None else (alibi_slopes[None] if alibi_slopes.dim() == 1 else alibi_slopes)
+    pages = dict(block_table=cache.table, kv_indptr=cache.indptr)
+    varlen = dict(cu_seqlens=qs.cu_seqlens_q, max_seqlen=seqlen_q) if qs.varlen else {}
 
     with _device_guard(q):
         if k is not None:
             append = _algorithm_args(plan.config(Family.APPEND_KV))
             cos_sin = dict(cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved) if rotary else {}
-            kernels.launch_rotary_append(k, k_cache, base=cache_seqlens, block_table=block_table,
-                                         cache_batch_idx=cache_batch_idx, dst_at_base=True,
-                                         **cos_sin, **append)
-            kernels.launch_rotary_append(v, v_cache, base=cache_seqlens, block_table=block_table,
-                                         cache_batch_idx=cache_batch_idx, dst_at_base=True, **append)
+            for src, dst, rope in ((k, k_cache, cos_sin), (v, v_cache, {})):
+                kernels.launch_rotary_append(src, dst, base=cache.base, cache_batch_idx=cache.cache_batch_idx,
+                                             dst_at_base=True, **pages, **varlen, **rope, **append)
             if rotary:
                 q_rot = torch.empty_like(q, memory_format=torch.contiguous_format)
-                kernels.launch_rotary_append(q, q_rot, base=cache_seqlens, dst_at_base=False,
+                kernels.launch_rotary_append(q, q_rot, base=cache.base, dst_at_base=False, **varlen,
                                              **cos_sin, **append)
                 q = q_rot
-        seqlens_k = cache_seqlens + n_new if n_new else cache_seqlens
         head_dim_v = v_cache.shape[-1]
-        o = q.new_empty((batch, seqlen_q, nhead_q, head_dim_v))
-        lse = torch.empty((batch, nhead_q, seqlen_q), dtype=torch.float32, device=q.device)
-        attn = dict(seqlens_k=seqlens_k, block_table=block_table, cache_batch_idx=cache_batch_idx,
+        rows = (q.shape[0],) if qs.varlen else (batch, seqlen_q)  # (total_q,) or (B, Sq)
+        o = q.new_empty((*rows, nhead_q, head_dim_v))
+        lse_shape = (nhead_q, q.shape[0]) if qs.varlen else (batch, nhead_q, seqlen_q)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        attn = dict(seqlens_k=cache.seqlens_k, cache_batch_idx=cache.cache_batch_idx, **pages,
+                    cu_seqlens_q=qs.cu_seqlens_q, max_seqlen_q=seqlen_q if qs.varlen else 0,
                     alibi_slopes=alibi2, sinks=sinks, scale=scale, softcap=float(softcap),
                     window=(left, right), sink_size=sink_size,
                     align_bottom_right=align == MaskAlign.BOTTOM_RIGHT,
@@ -186,27 +293,67 @@ def attention_with_kvcache(
         if splits == 1:
             kernels.launch_attention(q, k_cache, v_cache, o, lse, num_splits=1, **attn)
         else:
-            o_parts = torch.empty((splits, batch, nhead_q, seqlen_q, head_dim_v), dtype=torch.float32,
-                                  device=q.device)
-            lse_parts = torch.empty((splits, batch, nhead_q, seqlen_q), dtype=torch.float32, device=q.device)
+            # partial results (splits, B, Hq, Sq, Dv) [varlen: (splits, Hq, total_q, Dv)]
+            part_rows = (nhead_q, q.shape[0]) if qs.varlen else (batch, nhead_q, seqlen_q)
+            o_parts = torch.empty((splits, *part_rows, head_dim_v), dtype=torch.float32, device=q.device)
+            lse_parts = torch.empty((splits, *part_rows), dtype=torch.float32, device=q.device)
             kernels.launch_attention(q, k_cache, v_cache, o_parts, lse_parts, num_splits=splits, **attn)
-            kernels.launch_combine(o_parts.view(splits, -1, head_dim_v), lse_parts.view(splits, -1), o, lse,
-                                   nheads=nhead_q, seqlen=seqlen_q, sinks=sinks,
+            # the combine reads rows (b * Hq + h) * Sq + i; varlen is one batch of total_q rows
+            o4, lse3 = (o[None], lse[None]) if qs.varlen else (o, lse)
+            kernels.launch_combine(o_parts.view(splits, -1, head_dim_v), lse_parts.view(splits, -1), o4, lse3,
+                                   nheads=nhead_q, seqlen=o4.shape[1], sinks=sinks,
                                    **_algorithm_args(plan.config(Family.SPLITKV_COMBINE)))
     return (o, lse) if return_lse else o
 
 
+def _check_new_kv(qs: _Queries, q, k, v, nhead_k: int, head_dim_v: int) -> None:
+    ndim = 3 if qs.varlen else 4
+    V.check_tensor("k", k, ndim)
+    V.check_tensor("v", v, ndim)
+    V.check_same(("q", "k", "v"), (q, k, v))
+    if qs.varlen:
+        accepted = (q.shape[0], nhead_k, qs.head_dim)
+        if tuple(k.shape) != accepted:
+            raise ValueError(f"k has shape {tuple(k.shape)}; accepted with cu_seqlens_q: {accepted} "
+                             f"(one new token per query)")
+    elif k.shape[0] != qs.batch or k.shape[2] != nhead_k or k.shape[3] != qs.head_dim:
+        raise ValueError(f"k has shape {tuple(k.shape)}; accepted: ({qs.batch}, Snew, {nhead_k}, {qs.head_dim})")
+    if tuple(v.shape) != (*k.shape[:-1], head_dim_v):
+        raise ValueError(f"v has shape {tuple(v.shape)}; accepted: {(*k.shape[:-1], head_dim_v)}")
+
+
+def _check_rotary(rotary_cos, rotary_sin, device, head_dim: int) -> None:
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        V.check_tensor(name, t, 2)
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos {tuple(rotary_cos.shape)} and rotary_sin "
+                         f"{tuple(rotary_sin.shape)} must have one shape")
+    if not 0 < 2 * rotary_cos.shape[1] <= head_dim:
+        raise ValueError(f"rotary_cos has {rotary_cos.shape[1]} columns: rotary_dim = "
+                         f"{2 * rotary_cos.shape[1]} must be in [2, head_dim={head_dim}]")
+
+
+def _per_sequence(n_new, batch: int) -> list[int]:
+    return n_new.tolist() if isinstance(n_new, Tensor) else [n_new] * batch
+
+
 def _check_kvcache_values(cache_seqlens, n_new, capacity, block_table, n_rows, cache_batch_idx):
     """Host-side checks of index values (always for CPU tensors; CUDA in debug mode)."""
-    for b, n in enumerate(cache_seqlens.tolist()):
-        if not 0 <= n or n + n_new > capacity:
-            raise ValueError(f"cache_seqlens[{b}]={n} plus {n_new} new tokens exceeds the cache "
+    lengths = cache_seqlens.tolist()
+    news = _per_sequence(n_new, len(lengths))
+    for b, (n, new) in enumerate(zip(lengths, news, strict=True)):
+        if not 0 <= n or n + new > capacity:
+            raise ValueError(f"cache_seqlens[{b}]={n} plus {new} new tokens exceeds the cache "
                              f"capacity {capacity} (or is negative)")
     if block_table is not None:
         bad = (block_table < 0) | (block_table >= n_rows)
-        used = [(-(-(n + n_new) // max(1, capacity // block_table.shape[1])))
-                for n in cache_seqlens.tolist()]
-        for b, pages in enumerate(used):
+        page_size = max(1, capacity // max(1, block_table.shape[1]))
+        for b, (n, new) in enumerate(zip(lengths, news, strict=True)):
+            pages = -(-(n + new) // page_size)
             if bad[b, :pages].any():
                 j = int(bad[b, :pages].nonzero()[0])
                 raise ValueError(f"block_table[{b}, {j}]={int(block_table[b, j])} is outside the page "
@@ -215,6 +362,36 @@ def _check_kvcache_values(cache_seqlens, n_new, capacity, block_table, n_rows, c
         for b, row in enumerate(cache_batch_idx.tolist()):
             if not 0 <= row < n_rows:
                 raise ValueError(f"cache_batch_idx[{b}]={row} is outside [0, {n_rows})")
+
+
+def _check_indptr_values(kv_indptr, kv_indices, kv_last_page_len, n_new, page_size: int, n_pages: int):
+    """Host-side checks of FlashInfer/SGLang page tables (CPU tensors; CUDA in debug mode)."""
+    indptr = kv_indptr.tolist()
+    if indptr[0] != 0:
+        raise ValueError(f"kv_indptr[0]={indptr[0]} must be 0")
+    for b in range(len(indptr) - 1):
+        if indptr[b + 1] < indptr[b]:
+            raise ValueError(f"kv_indptr must be non-decreasing; kv_indptr[{b + 1}]={indptr[b + 1]} "
+                             f"< kv_indptr[{b}]={indptr[b]}")
+    if indptr[-1] > kv_indices.numel():
+        raise ValueError(f"kv_indptr[-1]={indptr[-1]} exceeds the {kv_indices.numel()} entries of kv_indices")
+    used = kv_indices[:indptr[-1]]
+    bad = ((used < 0) | (used >= n_pages)).nonzero()
+    if bad.numel():
+        j = int(bad[0])
+        raise ValueError(f"kv_indices[{j}]={int(used[j])} is outside the page pool [0, {n_pages})")
+    news = _per_sequence(n_new, len(indptr) - 1)
+    for b, last in enumerate(kv_last_page_len.tolist()):
+        pages = indptr[b + 1] - indptr[b]
+        if pages == 0 and last != 0:
+            raise ValueError(f"kv_last_page_len[{b}]={last}: sequence {b} has no pages, so it must be 0")
+        if pages > 0 and not 1 <= last <= page_size:
+            raise ValueError(f"kv_last_page_len[{b}]={last} must be in [1, page_size={page_size}] "
+                             f"(sequence {b} has {pages} pages)")
+        length = (pages - 1) * page_size + last if pages else 0
+        if length < news[b]:
+            raise ValueError(f"sequence {b} has {length} tokens in its pages but appends {news[b]}: the "
+                             f"kv_indptr tables describe the cache after the append, new tokens included")
 
 
 def merge_states(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:

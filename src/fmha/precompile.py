@@ -155,10 +155,12 @@ FAMILY_KERNELS: dict[Family, KernelSpec] = {
         "kvcache", "splitkv_kernel",
         pointers={**dict.fromkeys(("Q", "K", "V", "O"), IO), "LSE": "fp32",
                   # absent optional tensors: the launcher passes seqlens_k (int32)
-                  **dict.fromkeys(("Alibi", "Sinks", "BlockTable", "CacheBatchIdx", "SeqlensK"), "i32")},
+                  **dict.fromkeys(("Alibi", "Sinks", "BlockTable", "KvIndptr", "CacheBatchIdx", "SeqlensK",
+                                   "CuSeqlensQ"), "i32")},
         floats=frozenset({"scale", "softcap"}),
-        flags=("PAGED", "HAS_CACHE_BATCH_IDX", "ALIGN_BOTTOM_RIGHT", "HAS_LEFT", "HAS_RIGHT",
-               "HAS_SINK_TOKENS", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_SINKS", "SPLIT"),
+        flags=("PAGED", "TABLE_INDPTR", "PAGE_PER_TILE", "HAS_CACHE_BATCH_IDX", "IS_VARLEN",
+               "ALIGN_BOTTOM_RIGHT", "HAS_LEFT", "HAS_RIGHT", "HAS_SINK_TOKENS", "HAS_SOFTCAP", "HAS_ALIBI",
+               "HAS_SINKS", "SPLIT"),
         causal=_CAUSAL, from_config=_TILES),
     Family.SPLITKV_COMBINE: KernelSpec(
         "kvcache", "combine_kernel",
@@ -168,8 +170,10 @@ FAMILY_KERNELS: dict[Family, KernelSpec] = {
         "kvcache", "rotary_append_kernel",
         pointers={"Src": IO, "Dst": IO,
                   # without rotary tables the launcher passes the int32 positions as Cos/Sin
-                  **dict.fromkeys(("Cos", "Sin", "BlockTable", "CacheBatchIdx", "Base"), "i32")},
-        flags=("PAGED", "HAS_CACHE_BATCH_IDX", "ROTATE", "INTERLEAVED", "DST_AT_BASE"),
+                  **dict.fromkeys(("Cos", "Sin", "BlockTable", "KvIndptr", "CacheBatchIdx", "Base",
+                                   "CuSeqlens"), "i32")},
+        flags=("PAGED", "TABLE_INDPTR", "HAS_CACHE_BATCH_IDX", "IS_VARLEN", "ROTATE", "INTERLEAVED",
+               "DST_AT_BASE"),
         from_config={"BLOCK_T": "block_m", "BLOCK_D": "head_dim"}),
 }
 

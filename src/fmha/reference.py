@@ -38,9 +38,11 @@ __all__ = [
     "attention_varlen_bwd",
     "attention_varlen_fwd",
     "attention_with_kvcache",
+    "batch_prefill_with_kvcache",
     "from_bhsd",
     "max_abs_error",
     "merge_states",
+    "page_table_from_indptr",
     "paged_gather",
     "relative_error",
     "to_bhsd",
@@ -919,6 +921,75 @@ def attention_with_kvcache(
         )
         o[b] = np.swapaxes(ob[0], 0, 1)
         lse[b] = lseb[0]
+    return o, lse, k_cache, v_cache
+
+
+def page_table_from_indptr(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
+    """FlashInfer/SGLang page tables as a vLLM block table and lengths.
+
+    Sequence ``b`` owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``; its last page
+    holds ``kv_last_page_len[b]`` tokens (in ``[1, page_size]``; ``0`` with no pages), so it
+    has ``(pages - 1) * page_size + kv_last_page_len[b]`` tokens. Returns
+    ``block_table (B, max_pages)`` (unused entries 0) and ``seqlens (B,)``, int64.
+    """
+    indptr = _int_array(kv_indptr, "kv_indptr")
+    indices = _int_array(kv_indices, "kv_indices")
+    last = _int_array(kv_last_page_len, "kv_last_page_len")
+    if indptr.ndim != 1 or indptr.size < 1 or last.shape != (indptr.size - 1,):
+        raise ValueError(f"kv_indptr {indptr.shape} must be (B+1,), kv_last_page_len {last.shape} (B,)")
+    if indptr[0] != 0 or np.any(np.diff(indptr) < 0) or indptr[-1] > indices.size:
+        raise ValueError(f"kv_indptr={indptr.tolist()} must start at 0, never decrease and end "
+                         f"<= {indices.size} (the length of kv_indices)")
+    pages = np.diff(indptr)
+    ok = np.where(pages > 0, (last >= 1) & (last <= page_size), last == 0)
+    if not np.all(ok):
+        raise ValueError(f"kv_last_page_len={last.tolist()} must be in [1, {page_size}] "
+                         f"(0 for sequences without pages; pages: {pages.tolist()})")
+    table = np.zeros((pages.size, max(1, int(pages.max(initial=0)))), dtype=np.int64)
+    for b in range(pages.size):
+        table[b, : pages[b]] = indices[indptr[b] : indptr[b + 1]]
+    seqlens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
+    return table, seqlens
+
+
+def batch_prefill_with_kvcache(q, k_cache, v_cache, cu_seqlens_q, *, k=None, v=None, cache_seqlens,
+                               block_table=None, cache_batch_idx=None, alibi_slopes=None, **kwargs):
+    """Batch prefill: packed varlen queries over a KV cache, one sequence at a time.
+
+    ``q (total_q, Hq, Dq)``, ``cu_seqlens_q`` int ``(B+1,)``; sequence ``b`` is
+    ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` with ``sq_b`` rows. Optional new tokens
+    ``k (total_q, Hk, Dq)``, ``v (total_q, Hk, Dv)`` (one per query) are appended at
+    ``cache_seqlens[b] + t``. Each sequence is :func:`attention_with_kvcache` with batch 1,
+    so masks align bottom-right on its ``cache_seqlens[b] (+ sq_b)`` keys. ``alibi_slopes``
+    ``(Hq,)`` or ``(B, Hq)``; other keyword arguments as :func:`attention_with_kvcache`.
+
+    Returns ``o (total_q, Hq, Dv)``, ``lse (Hq, total_q)`` and updated copies of the caches.
+    """
+    q = _f64(q, "q")
+    cu = _int_array(cu_seqlens_q, "cu_seqlens_q")
+    if q.ndim != 3 or cu.ndim != 1 or cu.size < 1 or cu[0] != 0 or cu[-1] != q.shape[0] or np.any(np.diff(cu) < 0):
+        raise ValueError(f"q {q.shape} must be (total_q, Hq, D) and cu_seqlens_q={cu.tolist()} non-decreasing "
+                         f"from 0 to total_q")
+    B = cu.size - 1
+    lens = np.broadcast_to(_int_array(cache_seqlens, "cache_seqlens"), (B,))
+    slopes = None if alibi_slopes is None else _f64(alibi_slopes, "alibi_slopes")
+    k_cache, v_cache = _f64(k_cache, "k_cache"), _f64(v_cache, "v_cache")
+    o = np.zeros((q.shape[0], q.shape[1], v_cache.shape[-1]))
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for b in range(B):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        per_seq = dict(kwargs)
+        if block_table is not None:
+            per_seq["block_table"] = _int_array(block_table, "block_table")[b : b + 1]
+        else:
+            per_seq["cache_batch_idx"] = [b if cache_batch_idx is None else int(cache_batch_idx[b])]
+        if slopes is not None:
+            per_seq["alibi_slopes"] = slopes[b] if slopes.ndim == 2 else slopes
+        ob, lseb, k_cache, v_cache = attention_with_kvcache(
+            q[None, rows], k_cache, v_cache, k=None if k is None else _f64(k, "k")[None, rows],
+            v=None if v is None else _f64(v, "v")[None, rows], cache_seqlens=lens[b : b + 1], **per_seq)
+        o[rows] = ob[0]
+        lse[:, rows] = lseb[0]
     return o, lse, k_cache, v_cache
 
 

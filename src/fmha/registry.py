@@ -214,16 +214,22 @@ def default_registry() -> Registry:
     ])
     configs += _family_configs(Family.BWD_CONVERT_DQ, [
         (every, cuda, 256, 64, 16, 4, 1), (with_fp64, cpu, 256, 32, 16, 4, 1)])
-    # KV cache: decode tiles are short in queries (block_m 16) and long in keys.
+    # KV cache: decode tiles are short in queries (block_m 16) and long in keys. Packed
+    # varlen queries (batch prefill: prefill chunks with decode rows) take the configs that
+    # list VARLEN, with longer query tiles (first fit: the decode configs refuse varlen).
     kv = KVCACHE_FEATURES
+    kv_varlen = kv | {Feature.VARLEN}
     configs += _family_configs(Family.FWD_SPLITKV, [
         (half, cuda, 128, 16, 64, 4, 3, 1, kv),
         (half, cuda, 256, 16, 32, 4, 2, 129, kv),
         (fp32, cuda, 256, 16, 32, 4, 2, 1, kv),
-        (every, cpu, 256, 16, 16, 4, 1, 1, kv),
+        (half, cuda, 128, 64, 64, 4, 2, 1, kv_varlen),
+        (half, cuda, 256, 64, 32, 4, 2, 129, kv_varlen),
+        (fp32, cuda, 256, 32, 32, 4, 1, 1, kv_varlen),
+        (every, cpu, 256, 16, 16, 4, 1, 1, kv_varlen),
     ])
     configs += _family_configs(Family.SPLITKV_COMBINE, [
-        (every, cuda, 256, 32, 16, 4, 1, 1, kv), (every, cpu, 256, 16, 16, 4, 1, 1, kv)])
+        (every, cuda, 256, 32, 16, 4, 1, 1, kv_varlen), (every, cpu, 256, 16, 16, 4, 1, 1, kv_varlen)])
     configs += _family_configs(Family.APPEND_KV, [
-        (every, cuda, 256, 16, 16, 4, 1, 1, kv), (every, cpu, 256, 16, 16, 4, 1, 1, kv)])
+        (every, cuda, 256, 16, 16, 4, 1, 1, kv_varlen), (every, cpu, 256, 16, 16, 4, 1, 1, kv_varlen)])
     return Registry(configs, name="default")

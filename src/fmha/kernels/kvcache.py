@@ -1,11 +1,14 @@
 """KV-cache kernels: families `fwd_splitkv`, `splitkv_combine` and `append_kv`.
 
-`splitkv_kernel`: attention of q (B, Sq, Hq, D) over a KV cache, contiguous
+`splitkv_kernel`: attention of q (B, Sq, Hq, D), or packed varlen queries
+(total_q, Hq, D) with `cu_seqlens_q` (batch prefill), over a KV cache: contiguous
 (B_cache, S_cache, Hk, D) (optionally rows picked by `cache_batch_idx`) or paged
-(num_pages, page_size, Hk, D) through a vLLM-style `block_table`, with per-batch key
-counts read on the device (no host synchronisation, CUDA-graph safe). With several
-splits each program covers one slice of the keys and writes an fp32 partial output and
-its LSE; `combine_kernel` merges them (also the engine of `fmha.merge_states`).
+(num_pages, page_size, Hk, D). Pages are found through a vLLM-style `block_table`
+(row b at b * stride) or FlashInfer/SGLang tables (row b at `kv_indptr[b]` of the flat
+`kv_indices`); both are one "table row" per sequence. Per-batch key counts are read on
+the device (no host synchronisation, CUDA-graph safe). With several splits each program
+covers one slice of the keys and writes an fp32 partial output and its LSE;
+`combine_kernel` merges them (also the engine of `fmha.merge_states`).
 `rotary_append_kernel`: rotates rows (RoPE, interleaved or half-split) and writes them
 to a destination: new keys into the cache at `cache_seqlens[b] + t`, or queries into a
 rotated copy.
@@ -21,20 +24,45 @@ from .launch_args import alibi_strides, padded_dim
 
 
 @triton.jit
-def _kv_tile_ptrs(Base, b_row, BlockTable, stride_btb, page_size, stride_row, stride_tok, hk, stride_h,
-                  cols, col_ok, offs_d, stride_d, PAGED: tl.constexpr):
-    """Pointers [BLOCK_N, BLOCK_D] of keys `cols` of one batch in a contiguous or paged cache."""
+def _table_row(b, b_row, KvIndptr, stride_btb, TABLE_INDPTR: tl.constexpr):
+    """Offset of sequence b's page ids in the page table: b_row * stride (block_table) or
+    kv_indptr[b] (FlashInfer/SGLang kv_indices)."""
+    if TABLE_INDPTR:
+        return tl.load(KvIndptr + b)
+    return b_row * stride_btb
+
+
+@triton.jit
+def _kv_slots(b_row, Table, table_row, page_size, n0, len_k,
+              PAGED: tl.constexpr, PAGE_PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(slot, token) of the keys n0 + arange(BLOCK_N) of one sequence: the cache row or
+    page id (int64) and the position in it; page ids past len_k are not read. PAGE_PER_TILE:
+    page_size and n0 are multiples of BLOCK_N, so the tile is in one page: one id is loaded."""
+    cols = n0 + tl.arange(0, BLOCK_N)
     if PAGED:
-        page = tl.load(BlockTable + b_row * stride_btb + cols // page_size, mask=col_ok, other=0)
-        rows = page.to(tl.int64) * stride_row + (cols % page_size) * stride_tok
+        if PAGE_PER_TILE:
+            page_idx = n0 // page_size
+            slot = tl.load(Table + table_row + page_idx, mask=n0 < len_k, other=0).to(tl.int64)
+            tok = cols - page_idx * page_size
+        else:
+            slot = tl.load(Table + table_row + cols // page_size, mask=cols < len_k, other=0).to(tl.int64)
+            tok = cols % page_size
     else:
-        rows = b_row.to(tl.int64) * stride_row + cols.to(tl.int64) * stride_tok
-    return Base + rows[:, None] + hk * stride_h + offs_d[None, :] * stride_d
+        slot = b_row.to(tl.int64)
+        tok = cols
+    return slot, tok
+
+
+@triton.jit
+def _kv_tile_ptrs(Base, slot, tok, stride_row, stride_tok, hk, stride_h, offs_d):
+    """Pointers [BLOCK_N, BLOCK_D] of the cache entries (slot, tok) of KV head hk."""
+    rows = slot * stride_row + tok.to(tl.int64) * stride_tok + hk * stride_h
+    return Base + rows[:, None] + offs_d[None, :]
 
 
 @triton.jit(do_not_specialize=["window_left", "window_right", "sink_size"])
 def splitkv_kernel(
-    Q, K, V, O, LSE, Alibi, Sinks, BlockTable, CacheBatchIdx, SeqlensK,
+    Q, K, V, O, LSE, Alibi, Sinks, BlockTable, KvIndptr, CacheBatchIdx, SeqlensK, CuSeqlensQ,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -43,7 +71,8 @@ def splitkv_kernel(
     stride_btb, page_size, stride_alibib, stride_alibih,
     batch, nheads_q, group_size, seqlen_q, head_dim_qk, head_dim_v, num_splits,
     scale, softcap, window_left, window_right, sink_size,
-    PAGED: tl.constexpr, HAS_CACHE_BATCH_IDX: tl.constexpr, ALIGN_BOTTOM_RIGHT: tl.constexpr,
+    PAGED: tl.constexpr, TABLE_INDPTR: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
+    HAS_CACHE_BATCH_IDX: tl.constexpr, IS_VARLEN: tl.constexpr, ALIGN_BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -52,8 +81,8 @@ def splitkv_kernel(
     # GQA packing: the query rows of all `group_size` heads that share one KV head form
     # the tile's M dimension (row r = query i * group_size + head g), so each KV head's
     # keys and values are read once per query block, not once per query head.
-    packed = seqlen_q * group_size
-    num_m = tl.cdiv(packed, BLOCK_M)
+    # seqlen_q is the grid's query length (max_seqlen_q for varlen queries).
+    num_m = tl.cdiv(seqlen_q * group_size, BLOCK_M)
     nheads_k = nheads_q // group_size
     pid = tl.program_id(0)
     pid_m = pid % num_m
@@ -62,28 +91,40 @@ def splitkv_kernel(
     split = rest // (batch * nheads_k)
     b = bhk // nheads_k
     hk = bhk % nheads_k
+    q_start = 0
     len_q = seqlen_q
+    if IS_VARLEN:  # packed queries: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
+        q_start = tl.load(CuSeqlensQ + b)
+        len_q = tl.load(CuSeqlensQ + b + 1) - q_start
+    packed = len_q * group_size
+    if pid_m * BLOCK_M >= packed:
+        return
     len_k = tl.load(SeqlensK + b)
     b_row = b
     if HAS_CACHE_BATCH_IDX:
         b_row = tl.load(CacheBatchIdx + b)
+    table_row = 0
+    if PAGED:
+        table_row = _table_row(b, b_row, KvIndptr, stride_btb, TABLE_INDPTR)
     diag_offset = 0
     if ALIGN_BOTTOM_RIGHT:
         diag_offset = len_k - len_q
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = r // group_size  # query index of each packed row
+    rows = r // group_size  # query index of each packed row (within its sequence)
+    q_rows = (q_start + rows).to(tl.int64)  # row in q, o and lse (packed for varlen)
     h = hk * group_size + r % group_size
     row_ok = r < packed
     offs_dq = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     b64 = b.to(tl.int64)
-    q = tl.load(Q + b64 * stride_qb + rows[:, None] * stride_qm + h[:, None] * stride_qh + offs_dq[None, :],
+    q = tl.load(Q + b64 * stride_qb + q_rows[:, None] * stride_qm + h[:, None] * stride_qh + offs_dq[None, :],
                 mask=row_ok[:, None] & (offs_dq[None, :] < head_dim_qk), other=0.0)
     alibi_slope = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
     if HAS_ALIBI:
         alibi_slope = tl.load(Alibi + b * stride_alibib + h * stride_alibih, mask=row_ok, other=0.0)[:, None]
 
-    # Keys of this split: block-aligned slices of [0, len_k).
+    # Keys of this split: block-aligned slices of [0, len_k). Every key tile below starts
+    # at a multiple of BLOCK_N (s_lo, lo and main_end are), which PAGE_PER_TILE relies on.
     chunk = tl.cdiv(tl.cdiv(len_k, num_splits), BLOCK_N) * BLOCK_N
     s_lo = split * chunk
     s_hi = tl.minimum(s_lo + chunk, len_k)
@@ -113,11 +154,18 @@ def splitkv_kernel(
             end = main_end
             if HAS_SINK_TOKENS:
                 end = tl.minimum(sink_size, s_hi)
+        # Page ids are loaded one tile ahead (carried through the loop), so the K/V loads
+        # of a tile depend on no load of their own iteration and the software pipeline
+        # runs as deep for a paged cache as for a contiguous one.
+        slot_next, tok_next = _kv_slots(b_row, BlockTable, table_row, page_size, start, len_k,
+                                        PAGED, PAGE_PER_TILE, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < len_k
-            k = tl.load(_kv_tile_ptrs(K, b_row, BlockTable, stride_btb, page_size, stride_kb, stride_kn,
-                                      hk, stride_kh, cols, col_ok, offs_dq, 1, PAGED),
+            slot, tok = slot_next, tok_next
+            slot_next, tok_next = _kv_slots(b_row, BlockTable, table_row, page_size, n0 + BLOCK_N, len_k,
+                                            PAGED, PAGE_PER_TILE, BLOCK_N)
+            k = tl.load(_kv_tile_ptrs(K, slot, tok, stride_kb, stride_kn, hk, stride_kh, offs_dq),
                         mask=col_ok[:, None] & (offs_dq[None, :] < head_dim_qk), other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             if HAS_SOFTCAP or HAS_ALIBI:
@@ -131,8 +179,7 @@ def splitkv_kernel(
             p = tl.math.exp2(s - m_safe[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(_kv_tile_ptrs(V, b_row, BlockTable, stride_btb, page_size, stride_vb, stride_vn,
-                                      hk, stride_vh, cols, col_ok, offs_dv, 1, PAGED),
+            v = tl.load(_kv_tile_ptrs(V, slot, tok, stride_vb, stride_vn, hk, stride_vh, offs_dv),
                         mask=col_ok[:, None] & (offs_dv[None, :] < head_dim_v), other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
@@ -149,10 +196,10 @@ def splitkv_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     split64 = split.to(tl.int64)
-    tl.store(O + split64 * stride_os + b64 * stride_ob + rows[:, None] * stride_om + h[:, None] * stride_oh
+    tl.store(O + split64 * stride_os + b64 * stride_ob + q_rows[:, None] * stride_om + h[:, None] * stride_oh
              + offs_dv[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < head_dim_v))
-    tl.store(LSE + split64 * stride_ls + b64 * stride_lb + h * stride_lh + rows * stride_lm, lse, mask=row_ok)
+    tl.store(LSE + split64 * stride_ls + b64 * stride_lb + h * stride_lh + q_rows * stride_lm, lse, mask=row_ok)
 
 
 @triton.jit
@@ -208,29 +255,38 @@ def combine_kernel(
 
 @triton.jit
 def rotary_append_kernel(
-    Src, Dst, Cos, Sin, BlockTable, CacheBatchIdx, Base,
+    Src, Dst, Cos, Sin, BlockTable, KvIndptr, CacheBatchIdx, Base, CuSeqlens,
     stride_sb, stride_st, stride_sh,
     stride_db, stride_dt, stride_dh,
     stride_cos, stride_btb, page_size,
     ntok, nheads, head_dim, rotary_half,
-    PAGED: tl.constexpr, HAS_CACHE_BATCH_IDX: tl.constexpr, ROTATE: tl.constexpr,
-    INTERLEAVED: tl.constexpr, DST_AT_BASE: tl.constexpr,
+    PAGED: tl.constexpr, TABLE_INDPTR: tl.constexpr, HAS_CACHE_BATCH_IDX: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr, DST_AT_BASE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Rows t of src (B, T, H, D) -> dst at position (Base[b] if DST_AT_BASE else 0) + t,
-    rotated at position Base[b] + t when ROTATE (first 2 * rotary_half features)."""
+    rotated at position Base[b] + t when ROTATE (first 2 * rotary_half features).
+
+    IS_VARLEN: src is packed (total, H, D), sequence b its rows CuSeqlens[b] .. [b + 1]
+    (ntok is then the longest); a destination that is not the cache is packed the same way.
+    """
     num_t = tl.cdiv(ntok, BLOCK_T)
     pid = tl.program_id(0)
     pid_t = pid % num_t
     bh = pid // num_t
     b = bh // nheads
     h = bh % nheads
+    start = 0
+    len_t = ntok
+    if IS_VARLEN:
+        start = tl.load(CuSeqlens + b)
+        len_t = tl.load(CuSeqlens + b + 1) - start
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < ntok
+    t_ok = t < len_t
     d = tl.arange(0, BLOCK_D)
     mask = t_ok[:, None] & (d[None, :] < head_dim)
     base = tl.load(Base + b)
-    src_rows = Src + b.to(tl.int64) * stride_sb + t[:, None].to(tl.int64) * stride_st + h * stride_sh
+    src_rows = Src + b.to(tl.int64) * stride_sb + (start + t[:, None]).to(tl.int64) * stride_st + h * stride_sh
     x = tl.load(src_rows + d[None, :], mask=mask, other=0.0).to(tl.float32)
     if ROTATE:
         rot = d < 2 * rotary_half
@@ -248,56 +304,86 @@ def rotary_append_kernel(
         sin = tl.load(Sin + pos[:, None] * stride_cos + j[None, :], mask=rmask, other=0.0).to(tl.float32)
         xp = tl.load(src_rows + partner[None, :], mask=rmask, other=0.0).to(tl.float32)
         x = tl.where(rot[None, :], x * cos + sign[None, :] * xp * sin, x)
-    dst_t = t
+    dst_t = start + t
     if DST_AT_BASE:
         dst_t = base + t
     b_row = b
     if HAS_CACHE_BATCH_IDX:
         b_row = tl.load(CacheBatchIdx + b)
     if PAGED:
-        page = tl.load(BlockTable + b_row * stride_btb + dst_t // page_size, mask=t_ok, other=0)
+        table_row = _table_row(b, b_row, KvIndptr, stride_btb, TABLE_INDPTR)
+        page = tl.load(BlockTable + table_row + dst_t // page_size, mask=t_ok, other=0)
         rows = page.to(tl.int64) * stride_db + (dst_t % page_size) * stride_dt
     else:
         rows = b_row.to(tl.int64) * stride_db + dst_t.to(tl.int64) * stride_dt
     tl.store(Dst + rows[:, None] + h * stride_dh + d[None, :], x.to(Dst.dtype.element_ty), mask=mask)
 
 
-def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table=None, cache_batch_idx=None,
+def _paging(block_table, kv_indptr, page_size: int, block_n: int) -> dict:
+    """Kernel arguments of the page table: a block table (B, max_pages) or, with kv_indptr,
+    the flat kv_indices (FlashInfer/SGLang); none for a contiguous cache."""
+    paged = block_table is not None
+    return dict(
+        stride_btb=block_table.stride(0) if paged and kv_indptr is None else 0,
+        page_size=page_size if paged else 1,
+        PAGED=paged, TABLE_INDPTR=kv_indptr is not None,
+        PAGE_PER_TILE=paged and page_size % block_n == 0,
+    )
+
+
+def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table=None, kv_indptr=None,
+                     cache_batch_idx=None, cu_seqlens_q=None, max_seqlen_q: int = 0,
                      alibi_slopes=None, sinks=None, num_splits: int, scale: float, softcap: float,
                      window: tuple[int, int], sink_size: int, align_bottom_right: bool,
                      block_m: int, block_n: int, num_warps: int, num_stages: int,
                      dot_precision: str) -> None:
-    """q (B, Sq, Hq, D); caches (B_cache, S, Hk, D) or (pages, page_size, Hk, D).
+    """q (B, Sq, Hq, D), or packed (total_q, Hq, D) with cu_seqlens_q (B + 1,) and
+    max_seqlen_q; caches (B_cache, S, Hk, D) or (pages, page_size, Hk, D) with a
+    block_table (B, max_pages), or kv_indptr (B + 1,) and the flat kv_indices as block_table.
 
-    num_splits == 1: o (B, Sq, Hq, Dv) and lse (B, Hq, Sq) are final. num_splits > 1:
-    o is (splits, B, Hq, Sq, Dv) fp32 and lse (splits, B, Hq, Sq): partial results whose
-    rows flatten to (b * Hq + h) * Sq + i, as `launch_combine` reads them.
+    num_splits == 1: o (B, Sq, Hq, Dv) [varlen: (total_q, Hq, Dv)] and lse (B, Hq, Sq)
+    [(Hq, total_q)] are final. num_splits > 1: o is (splits, B, Hq, Sq, Dv) fp32
+    [(splits, Hq, total_q, Dv)] and lse (splits, B, Hq, Sq) [(splits, Hq, total_q)]: partial
+    results whose rows flatten to (b * Hq + h) * Sq + i [h * total_q + i], as
+    `launch_combine` reads them.
     """
-    batch, seqlen_q, nheads_q, head_dim_qk = q.shape
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch, seqlen_q = cu_seqlens_q.numel() - 1, max_seqlen_q
+        nheads_q, head_dim_qk = q.shape[1], q.shape[2]
+        q_strides = (0, q.stride(0), q.stride(1))
+    else:
+        batch, seqlen_q, nheads_q, head_dim_qk = q.shape
+        q_strides = (q.stride(0), q.stride(1), q.stride(2))
     nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[-1]
     split = num_splits > 1
     # kernel order: (batch, row, head, split)
-    o_strides = (o.stride(1), o.stride(3), o.stride(2), o.stride(0)) if split else (*o.stride()[:3], 0)
-    lse_strides = (lse.stride(1), lse.stride(2), lse.stride(3), lse.stride(0)) if split else (*lse.stride(), 0)
+    if varlen:
+        o_strides = (0, o.stride(2), o.stride(1), o.stride(0)) if split else (0, o.stride(0), o.stride(1), 0)
+        lse_strides = (0, lse.stride(1), lse.stride(2), lse.stride(0)) if split else (0, *lse.stride(), 0)
+    else:
+        o_strides = (o.stride(1), o.stride(3), o.stride(2), o.stride(0)) if split else (*o.stride()[:3], 0)
+        lse_strides = (lse.stride(1), lse.stride(2), lse.stride(3), lse.stride(0)) if split else (*lse.stride(), 0)
     dummy = seqlens_k
     left, right = window
     grid = (triton.cdiv(seqlen_q * (nheads_q // nheads_k), block_m) * batch * nheads_k * num_splits,)
     if grid[0] == 0:
         return
+    paging = _paging(block_table, kv_indptr, k_cache.shape[1], block_n)
     splitkv_kernel[grid](
         q, k_cache, v_cache, o, lse,
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
-        block_table if block_table is not None else dummy,
+        block_table if block_table is not None else dummy, kv_indptr if kv_indptr is not None else dummy,
         cache_batch_idx if cache_batch_idx is not None else dummy, seqlens_k,
-        q.stride(0), q.stride(1), q.stride(2),
+        cu_seqlens_q if varlen else dummy,
+        *q_strides,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *o_strides, *lse_strides,
-        block_table.stride(0) if block_table is not None else 0,
-        k_cache.shape[1] if block_table is not None else 1, *alibi_strides(alibi_slopes),
+        paging.pop("stride_btb"), paging.pop("page_size"), *alibi_strides(alibi_slopes),
         batch, nheads_q, nheads_q // nheads_k, seqlen_q, head_dim_qk, head_dim_v, num_splits,
         scale, softcap, left, right, sink_size,
-        PAGED=block_table is not None, HAS_CACHE_BATCH_IDX=cache_batch_idx is not None,
+        **paging, HAS_CACHE_BATCH_IDX=cache_batch_idx is not None, IS_VARLEN=varlen,
         ALIGN_BOTTOM_RIGHT=align_bottom_right, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
         HAS_SINK_TOKENS=sink_size > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
         HAS_SINKS=sinks is not None, SPLIT=split, DOT_PRECISION=dot_precision,
@@ -326,24 +412,38 @@ def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sink
 
 
 def launch_rotary_append(src, dst, *, base, cos=None, sin=None, interleaved=False, block_table=None,
-                         cache_batch_idx=None, dst_at_base: bool, block_m: int, num_warps: int,
-                         **_unused) -> None:
-    """src (B, T, H, D) -> dst cache (B_cache, S, H, D) / (pages, page_size, H, D) or (B, T, H, D)."""
-    batch, ntok, nheads, head_dim = src.shape
+                         kv_indptr=None, cache_batch_idx=None, cu_seqlens=None, max_seqlen: int = 0,
+                         dst_at_base: bool, block_m: int, num_warps: int, **_unused) -> None:
+    """src (B, T, H, D), or packed (total, H, D) with cu_seqlens (B + 1,) and max_seqlen ->
+    dst cache (B_cache, S, H, D) / (pages, page_size, H, D) at base[b] + t (dst_at_base), or
+    a tensor shaped like src. Pages as in `launch_attention`."""
+    varlen = cu_seqlens is not None
+    if varlen:
+        batch, ntok, (nheads, head_dim) = cu_seqlens.numel() - 1, max_seqlen, src.shape[1:]
+        src_strides = (0, src.stride(0), src.stride(1))
+    else:
+        batch, ntok, nheads, head_dim = src.shape
+        src_strides = (src.stride(0), src.stride(1), src.stride(2))
+    if dst_at_base or not varlen:
+        dst_strides = (dst.stride(0), dst.stride(1), dst.stride(2))
+    else:
+        dst_strides = (0, dst.stride(0), dst.stride(1))
     grid = (triton.cdiv(ntok, block_m) * batch * nheads,)
     if grid[0] == 0:
         return
     rotate = cos is not None
     rotary_kernel_args = (cos, sin, cos.stride(0), cos.shape[1]) if rotate else (base, base, 0, 0)
+    paging = _paging(block_table, kv_indptr, dst.shape[1], 1)
     rotary_append_kernel[grid](
         src, dst, rotary_kernel_args[0], rotary_kernel_args[1],
-        block_table if block_table is not None else base,
+        block_table if block_table is not None else base, kv_indptr if kv_indptr is not None else base,
         cache_batch_idx if cache_batch_idx is not None else base, base,
-        src.stride(0), src.stride(1), src.stride(2), dst.stride(0), dst.stride(1), dst.stride(2),
-        rotary_kernel_args[2], block_table.stride(0) if block_table is not None else 0,
-        dst.shape[1] if block_table is not None else 1,
+        cu_seqlens if varlen else base,
+        *src_strides, *dst_strides,
+        rotary_kernel_args[2], paging["stride_btb"], paging["page_size"],
         ntok, nheads, head_dim, rotary_kernel_args[3],
-        PAGED=block_table is not None, HAS_CACHE_BATCH_IDX=cache_batch_idx is not None,
+        PAGED=paging["PAGED"], TABLE_INDPTR=paging["TABLE_INDPTR"],
+        HAS_CACHE_BATCH_IDX=cache_batch_idx is not None, IS_VARLEN=varlen,
         ROTATE=rotate, INTERLEAVED=interleaved, DST_AT_BASE=dst_at_base,
         BLOCK_T=block_m, BLOCK_D=padded_dim(head_dim), num_warps=num_warps,
     )
