@@ -22,6 +22,8 @@ LSE comes from the unrounded fp32 P: |lse - lse_ref| <= 1e-5 (1 + |lse|) + |ds|.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -33,12 +35,12 @@ OUT_UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0
 
 
 def quantized(x, dtype, granularity, block_size=16, layout="bhsd", cu_seqlens=None):
-    """(x8, descale, dequantized float64 numpy in bhsd or packed layout)."""
+    """(x8, descale, dequantized float64 tensor in bhsd or packed layout, on x's device)."""
     x8, d = quantize_fp8(x, dtype, granularity, block_size, layout=layout, cu_seqlens=cu_seqlens)
     deq = dequantize_fp8(x8, d, layout=layout, block_size=block_size, cu_seqlens=cu_seqlens)
     if x.dim() == 4 and layout == "bshd":
         deq = deq.transpose(1, 2)
-    return x8, d, deq.double().cpu().numpy()
+    return x8, d, deq.double()
 
 
 def spread(descale) -> float:
@@ -49,33 +51,71 @@ def spread(descale) -> float:
     return float((d.amax(-1) / d.amin(-1)).max())
 
 
+def probabilities(q, k, v, *, scale=None, causal=False, window=(-1, -1), mask_align="bottom_right",
+                  sink_size=0, bias=None, alibi_slopes=None, softcap=0.0, sinks=None, dropout_p=0.0,
+                  dropout_mask=None):
+    """float64 torch forward on the inputs' device (bhsd): dict of p (normalised with the
+    sink, before dropout), valid, drop factor (or None), v_rep, q, k_rep, scale, o, lse.
+    Checked against fmha.reference by tests/test_fp8.py."""
+    f64 = torch.float64
+    q, k, v = q.to(f64), k.to(f64), v.to(f64)
+    batch, nhead_q, seqlen_q, head_dim = q.shape
+    seqlen_k, group = k.shape[2], nhead_q // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias.to(f64)
+    if alibi_slopes is not None:
+        off = seqlen_k - seqlen_q if mask_align == "bottom_right" else 0
+        rows = torch.arange(seqlen_q, device=q.device, dtype=f64)[:, None]
+        cols = torch.arange(seqlen_k, device=q.device, dtype=f64)[None, :]
+        s = s - alibi_slopes.to(f64).reshape(-1, nhead_q, 1, 1) * (rows + off - cols).abs()
+    vis = torch.as_tensor(reference.visible_mask(seqlen_q, seqlen_k, causal=causal, window=tuple(window),
+                                                 mask_align=mask_align, sink_size=sink_size), device=q.device)
+    valid = vis & (s > -math.inf)
+    s = s.masked_fill(~valid, -math.inf)
+    m = s.amax(-1, keepdim=True)
+    if sinks is not None:
+        m = torch.maximum(m, sinks.to(f64).reshape(1, nhead_q, 1, 1))
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m)
+    denom = e.sum(-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sinks.to(f64).reshape(1, nhead_q, 1, 1) - m)
+    lse = torch.where(denom > 0, m + torch.log(denom.clamp_min(1e-300)), -math.inf)[..., 0]
+    p = e / torch.where(denom > 0, denom, 1.0)
+    drop = None
+    if dropout_mask is not None:
+        drop = dropout_mask.to(q.device).to(f64) / (1.0 - dropout_p)
+    o = (p * drop if drop is not None else p) @ v
+    return dict(p=p, valid=valid, drop=drop, v_rep=v, q=q, k_rep=k, scale=scale, o=o, lse=lse)
+
+
 def bound(q, k, v, *, out_dtype, gpu: bool, v_spread: float = 1.0, dropout_mask=None, **kw):
-    """(o_ref, lse_ref, o_tol, lse_tol) for dequantized float64 bhsd numpy q, k, v."""
-    f = reference._forward_core(q, k, v, scale=kw.get("scale"), causal=kw.get("causal", False),
-                                window=kw.get("window", (-1, -1)),
-                                mask_align=kw.get("mask_align", "bottom_right"),
-                                sink_size=kw.get("sink_size", 0), bias=kw.get("bias"),
-                                alibi_slopes=kw.get("alibi_slopes"), softcap=kw.get("softcap", 0.0),
-                                sinks=kw.get("sinks"), dropout_p=kw.get("dropout_p", 0.0),
-                                dropout_mask=dropout_mask)
-    p, valid, vabs = f["p"], f["valid"], np.abs(f["v_rep"])
+    """(o_ref, lse_ref, o_tol, lse_tol) as float64 tensors for dequantized bhsd q, k, v."""
+    f = probabilities(q, k, v, dropout_mask=dropout_mask, **kw)
+    p, valid, vabs = f["p"], f["valid"], f["v_rep"].abs()
     drop = f["drop"] if f["drop"] is not None else 1.0
-    pmax = np.max(np.where(valid, p, 0.0), axis=-1, keepdims=True)
-    ds = np.zeros(p.shape[:-1])
+    pmax = torch.where(valid, p, 0.0).amax(-1, keepdim=True)
+    ds = torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device)
     if gpu:
-        qmax = np.abs(f["q"]).max(-1)  # (B, Hq, Sq)
-        kmax = np.abs(f["k_rep"]).max(axis=(-1, -2))[..., None]  # (B, Hq, 1)
+        qmax = f["q"].abs().amax(-1)  # (B, Hq, Sq)
+        kmax = f["k_rep"].abs().amax(dim=(-1, -2))[..., None]  # (B, Hq, 1)
         ds = 2.0**-13 * f["scale"] * f["q"].shape[-1] * qmax * kmax
     coef = 2.0**-4 + (2.0**-7 if gpu else 0.0) + 2 * ds[..., None]
-    terms = np.maximum(coef * p, 2.0**-18 * v_spread * pmax * valid) * drop
-    o_tol = terms @ vabs + OUT_UNIT[out_dtype] * np.abs(f["o"]) + 1e-6
+    terms = torch.maximum(coef * p, 2.0**-18 * v_spread * pmax * valid) * drop
+    o_tol = terms @ vabs + OUT_UNIT[out_dtype] * f["o"].abs() + 1e-6
     lse = f["lse"]
-    lse_tol = 1e-5 * (1 + np.abs(np.where(np.isfinite(lse), lse, 0.0))) + ds
+    lse_tol = 1e-5 * (1 + torch.where(torch.isfinite(lse), lse, 0.0).abs()) + ds
     return f["o"], lse, o_tol, lse_tol
 
 
 def check_close(name, got, ref, tol):
-    got = got.double().cpu().numpy() if isinstance(got, torch.Tensor) else got
+    got, ref, tol = (np.asarray(t.double().cpu().numpy() if isinstance(t, torch.Tensor) else t)
+                     for t in (got, ref, tol))
     same_inf = np.isinf(ref) & (got == ref)
     err = np.where(same_inf, 0.0, np.abs(got - ref))
     assert not np.isnan(got).any(), f"{name}: NaN"
@@ -101,9 +141,8 @@ def run_and_check(q, k, v, *, dtype=torch.float8_e4m3fn, granularity="tensor", b
                          out_dtype=out_dtype, return_lse=True, return_dropout_mask=want_mask, **kw)
     o, lse = res[0], res[1]
     assert o.dtype == out_dtype and lse.dtype == torch.float32
-    ref_kw = {key: (val.double().cpu().numpy() if isinstance(val, torch.Tensor) else val)
-              for key, val in kw.items() if key not in ("seed", "offset")}
-    mask = res[2].cpu().numpy() if want_mask else None
+    ref_kw = {key: val for key, val in kw.items() if key not in ("seed", "offset")}
+    mask = res[2] if want_mask else None
     o_ref, lse_ref, o_tol, lse_tol = bound(qf, kf, vf, out_dtype=out_dtype, gpu=gpu, v_spread=spread(vd),
                                            dropout_mask=mask, **ref_kw)
     ob = o if layout == "bhsd" else o.transpose(1, 2)

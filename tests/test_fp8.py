@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import fmha
+from fmha import reference
 from fmha.fp8 import dequantize_fp8, quantize_fp8
 from fp8_testing import bound as fp8_bound
-from fp8_testing import check_close, quantized, run_and_check
+from fp8_testing import check_close, probabilities, quantized, run_and_check
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = [E4M3, E5M2]
@@ -88,6 +89,21 @@ def test_quantize_rejects_bad_arguments(kwargs, match):
 # ---------------------------------------------------------------------------- the bound
 
 
+def test_torch_float64_truth_matches_the_numpy_reference():
+    """The bound's float64 forward (torch, runs on the GPU too) is fmha.reference's."""
+    rng = _rng()
+    q, k, v = _x((2, 4, 9, 8), rng), _x((2, 2, 13, 8), rng), _x((2, 2, 13, 6), rng)
+    kw = dict(scale=0.4, window=(5, 2), sink_size=2, bias=_x((1, 4, 9, 13), rng), softcap=1.5,
+              alibi_slopes=torch.rand(2, 4, generator=rng), sinks=_x((4,), rng), dropout_p=0.3)
+    mask = torch.rand(2, 4, 9, 13, generator=rng) > 0.3
+    f = probabilities(q, k, v, dropout_mask=mask, **kw)
+    ref_o, ref_lse = reference.attention_fwd(*(t.double().numpy() for t in (q, k, v)), dropout_mask=mask.numpy(),
+                                             **{n: (t.double().numpy() if isinstance(t, torch.Tensor) else t)
+                                                for n, t in kw.items()})
+    np.testing.assert_allclose(f["o"].numpy(), ref_o, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(f["lse"].numpy(), ref_lse, rtol=1e-12, atol=1e-12)
+
+
 def test_error_bound_catches_a_wrong_descale():
     """The bound is tight enough that a v descale off by 25% fails (so the checks can fail)."""
     rng = _rng()
@@ -156,7 +172,7 @@ def test_fp8_q_descale_per_query_head_and_per_kv_head():
     check_close("lse", lse, lse_ref, lse_tol)
     # per KV head: both query heads of a group share the descale
     qd2 = torch.stack([qd[:, 0] * 1.5, qd[:, 2] * 0.5], dim=1)
-    qf2 = dequantize_fp8(q8, qd2).double().numpy()
+    qf2 = dequantize_fp8(q8, qd2).double()
     o_ref, lse_ref, o_tol, lse_tol = fp8_bound(qf2, kf, vf, out_dtype=torch.bfloat16, gpu=False)
     o, lse = fmha.attention(q8, k8, v8, q_descale=qd2, k_descale=kd, v_descale=vd, return_lse=True)
     check_close("o", o, o_ref, o_tol)
@@ -182,8 +198,8 @@ def test_fp8_varlen_with_block_descales():
     for b in range(3):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         o_ref, lse_ref, o_tol, lse_tol = fp8_bound(
-            qf[sq].transpose(0, 1)[None].numpy(), kf[sk].transpose(0, 1)[None].numpy(),
-            vf[sk].transpose(0, 1)[None].numpy(), out_dtype=torch.float32, gpu=False, causal=True)
+            qf[sq].transpose(0, 1)[None], kf[sk].transpose(0, 1)[None],
+            vf[sk].transpose(0, 1)[None], out_dtype=torch.float32, gpu=False, causal=True)
         check_close(f"o[{b}]", o[sq].transpose(0, 1)[None], o_ref, o_tol)
         check_close(f"lse[{b}]", lse[:, sq][None], lse_ref, lse_tol)
 
@@ -192,7 +208,7 @@ def test_fp8_without_descales_means_descale_one():
     rng = _rng()
     q8, k8, v8 = (_x((1, 1, 16, 16), rng).to(E4M3) for _ in range(3))
     o = fmha.attention(q8, k8, v8, out_dtype=torch.float32)
-    o_ref, _, o_tol, _ = fp8_bound(*(t.double().numpy() for t in (q8, k8, v8)), out_dtype=torch.float32, gpu=False)
+    o_ref, _, o_tol, _ = fp8_bound(*(t.double() for t in (q8, k8, v8)), out_dtype=torch.float32, gpu=False)
     check_close("o", o, o_ref, o_tol)
 
 
