@@ -41,6 +41,31 @@ def compile_one(kernel, pointers, floats, constexprs, num_warps, num_stages):
 
 
 FLOATS = {"scale", "softcap", "dropout_p"}
+NO_FP8 = {"FP8": False, "Q_BLOCK_DESCALE": False, "K_BLOCK_DESCALE": False, "V_BLOCK_DESCALE": False}
+
+
+def check_fp8(flags: list[str]) -> int:
+    """The fp8 forward at the registry's fp8 tiles: e4m3 and e5m2, no/all features, all
+    descales per block or none."""
+    failures = 0
+    for dt, (bm, bn, w, s, d), on in itertools.product(
+            ["fp8e4nv", "fp8e5"], [(128, 128, 8, 3, 64), (128, 128, 8, 3, 128), (128, 64, 8, 2, 256)],
+            [False, True]):
+        ptr = {n: dt for n in "QKV"} | {"O": "bf16"}
+        ptr.update({n: "fp32" for n in ["LSE", "Bias", "Alibi", "Sinks", "QDescale", "KDescale", "VDescale"]})
+        ptr.update({n: "i32" for n in ["cu_seqlens_q", "cu_seqlens_k", "seqused_k"]})
+        constexprs = {**dict.fromkeys(flags, on), "HAS_SINKS": on, "DOT_PRECISION": "ieee", "BLOCK_M": bm,
+                      "BLOCK_N": bn, "BLOCK_DQK": d, "BLOCK_DV": d, "FP8": True,
+                      "Q_BLOCK_DESCALE": on, "K_BLOCK_DESCALE": on, "V_BLOCK_DESCALE": on}
+        t = time.time()
+        try:
+            shared, _ = compile_one(fwd.fwd_kernel, ptr, FLOATS, constexprs, w, s)
+            print(f"ok   fwd_kernel       {dt} d{d} m{bm} n{bn} w{w} s{s} features={on} smem={shared} "
+                  f"({time.time() - t:.1f}s)")
+        except Exception as e:
+            failures += 1
+            print(f"FAIL fwd_kernel {dt} d{d} {constexprs}: {str(e)[:2000]}")
+    return failures
 
 
 def main() -> int:
@@ -58,7 +83,7 @@ def main() -> int:
             ptr.update({n: "i32" for n in ["cu_seqlens_q", "cu_seqlens_k", "seqused_k"]})
             jobs = [
                 (fwd.fwd_kernel, {**combo, "HAS_SINKS": combo["HAS_BIAS"], "DOT_PRECISION": "ieee",
-                                  "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_DQK": d, "BLOCK_DV": d}),
+                                  "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_DQK": d, "BLOCK_DV": d, **NO_FP8}),
                 (bwd.dkdv_kernel, {**combo, "WRITE_DBIAS": combo["HAS_BIAS"], "DQ_ATOMIC": not combo["HAS_BIAS"],
                                    "DOT_PRECISION": "ieee", "BLOCK_M": bm // 2, "BLOCK_N": bn * 2 if d <= 128 else bn,
                                    "BLOCK_DQK": d, "BLOCK_DV": d}),
@@ -77,6 +102,7 @@ def main() -> int:
                 except Exception as e:  # report every failure, keep going
                     failures += 1
                     print(f"FAIL {kernel.fn.__name__} {dt} d{d} {constexprs}: {str(e)[:2000]}")
+    failures += check_fp8(flags)
     shared, _ = compile_one(dropout.dropout_mask_kernel, {"Mask": "i8"}, {"dropout_p"},
                             {"BLOCK_M": 64, "BLOCK_N": 64}, 4, 1)
     print("ok   dropout_mask_kernel")
