@@ -7,10 +7,10 @@ tests/fp8_testing.py (gpu=True: it includes Hopper's reduced-precision fp8 MMA s
 import numpy as np
 import pytest
 import torch
-from fp8_testing import bound, check_close, quantized, run_and_check
 
 import fmha
 from fmha.fp8 import dequantize_fp8, quantize_fp8
+from fp8_testing import bound, check_close, quantized, run_and_check
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
