@@ -272,3 +272,89 @@ def test_fp8_grad_raises_not_implemented():
     with torch.no_grad():  # fine without autograd
         o = fmha.attention(q8, q8.detach(), q8.detach())
     assert o.dtype == torch.bfloat16 and not math.isnan(float(o.float().sum()))
+
+
+# ---------------------------------------------------------------------------- fp8 KV cache
+
+
+def _fp8_cache(rng, shape, dtype, per_head: bool, batch: int, base: float = 0.01):
+    """(cache8, descale, dequantized float64 cache); per-head descales are per (batch, KV head)."""
+    x = _x(shape, rng)
+    nhead_k = shape[2]
+    d = (torch.rand(batch, nhead_k, generator=rng) + 0.5) * base if per_head else torch.tensor(1.3 * base)
+    if per_head and shape[0] != batch:  # paged: pages are shared, so one descale per KV head
+        d = d[:1].expand(batch, nhead_k).contiguous()
+    d_rows = d.reshape(1, 1, 1, 1) if d.dim() == 0 else d[:shape[0] if shape[0] == batch else 1, None, :, None]
+    x8 = (x / d_rows).to(dtype)
+    return x8, d, (x8.double() * d_rows.double())
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_kvcache_matches_reference_on_the_dequantized_cache(paged, per_head, num_splits):
+    rng = _rng()
+    B, Sq, Hq, Hk, D = 2, 2, 4, 2, 32
+    q = _x((B, Sq, Hq, D), rng).to(torch.float16)
+    dtype = E4M3 if per_head else E5M2
+    shape = (11, 4, Hk, D) if paged else (B, 40, Hk, D)
+    kc, kd, kf = _fp8_cache(rng, shape, dtype, per_head, B)
+    vc, vd, vf = _fp8_cache(rng, shape, dtype, per_head, B)
+    block_table = torch.randperm(11, generator=rng)[:10].reshape(B, 5).int() if paged else None
+    seqlens = torch.tensor([17, 20] if paged else [17, 40], dtype=torch.int32)
+    kw = dict(causal=True, softcap=4.0, sinks=_x((Hq,), rng))
+    o, lse = fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=block_table,
+                                         k_descale=kd, v_descale=vd, num_splits=num_splits, return_lse=True, **kw)
+    assert o.dtype == torch.float16
+    ro, rl, _, _ = reference.attention_with_kvcache(
+        q.double().numpy(), kf.numpy(), vf.numpy(), cache_seqlens=seqlens.numpy(),
+        block_table=None if block_table is None else block_table.numpy(), causal=True, softcap=4.0,
+        sinks=kw["sinks"].double().numpy())
+    assert float(np.abs(o.double().numpy() - ro).max()) < 3e-3  # fp16 P and output, as the fp16 cache tests
+    assert float(np.abs(lse.double().numpy() - rl).max()) < 1e-4
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_fp8_kvcache_append_rounds_new_tokens_into_the_cache(rotary):
+    rng = _rng()
+    B, Hq, Hk, D, n_new = 2, 2, 1, 16, 3
+    q = _x((B, 1, Hq, D), rng).to(torch.bfloat16)
+    # descales large enough that the new (rotated) tokens do not saturate (|x| < 448 * 0.025)
+    kc, kd, _ = _fp8_cache(rng, (B, 24, Hk, D), E4M3, True, B, base=0.05)
+    vc, vd, _ = _fp8_cache(rng, (B, 24, Hk, D), E4M3, True, B, base=0.05)
+    k_new, v_new = _x((B, n_new, Hk, D), rng).to(torch.bfloat16), _x((B, n_new, Hk, D), rng).to(torch.bfloat16)
+    seqlens = torch.tensor([5, 20], dtype=torch.int32)
+    rot = dict(rotary_cos=_x((32, 4), rng), rotary_sin=_x((32, 4), rng)) if rotary else {}
+    kc0 = kc.clone()
+    o = fmha.attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=seqlens, k_descale=kd,
+                                    v_descale=vd, **rot)
+    # the reference's appended (and rotated) rows, in float64
+    _, _, rk, rv = reference.attention_with_kvcache(
+        q.double().numpy(), (kc0.double() * kd[:, None, :, None]).numpy(), np.zeros(vc.shape), k=k_new.double().numpy(),
+        v=v_new.double().numpy(), cache_seqlens=seqlens.numpy(),
+        **{n: t.double().numpy() for n, t in rot.items()})
+    for b, n in enumerate(seqlens.tolist()):
+        for cache, d, ref in ((kc, kd, rk), (vc, vd, rv)):
+            got = cache[b, n:n + n_new].double() * d[b][None, :, None]
+            want = torch.from_numpy(ref[b, n:n + n_new])
+            assert ((got - want).abs() <= 2.0**-4 * want.abs() + 2.0**-10 * float(d.max()) + 1e-6).all()
+        assert torch.equal(kc[b, :n], kc0[b, :n])  # rows before cache_seqlens untouched
+    if not rotary:  # attention over what is now in the cache
+        ro, _, _, _ = reference.attention_with_kvcache(
+            q.double().numpy(), (kc.double() * kd[:, None, :, None]).numpy(),
+            (vc.double() * vd[:, None, :, None]).numpy(), cache_seqlens=(seqlens + n_new).numpy())
+        assert float(np.abs(o.double().numpy() - ro).max()) < 2e-2  # bf16 P and output
+
+
+def test_fp8_kvcache_arguments_are_checked():
+    q = torch.randn(1, 1, 2, 16, dtype=torch.float16)
+    c16 = torch.randn(1, 8, 2, 16, dtype=torch.float16)
+    c8 = c16.to(E4M3)
+    with pytest.raises(ValueError, match="descales are for float8 caches"):
+        fmha.attention_with_kvcache(q, c16, c16, k_descale=torch.ones(()))
+    with pytest.raises(ValueError, match=r"k_descale has shape \(2,\)"):
+        fmha.attention_with_kvcache(q, c8, c8, k_descale=torch.ones(2))
+    with pytest.raises(TypeError, match="v_cache.dtype"):
+        fmha.attention_with_kvcache(q, c8, c8.float().to(E5M2))
+    with pytest.raises(TypeError, match="q.dtype"):
+        fmha.attention_with_kvcache(q.to(E4M3), c8, c8)

@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fmha.kernels import bwd, dropout, fwd
+from fmha.kernels import bwd, dropout, fwd, kvcache
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -68,6 +68,25 @@ def check_fp8(flags: list[str]) -> int:
     return failures
 
 
+def check_fp8_kvcache() -> int:
+    """The split-KV kernel over float8 caches (dequantized on load) with 16-bit queries."""
+    failures = 0
+    for qdt, kvdt, on in itertools.product(["bf16", "fp16"], ["fp8e4nv", "fp8e5"], [False, True]):
+        ptr = {"Q": qdt, "K": kvdt, "V": kvdt, "O": qdt, "LSE": "fp32", "Alibi": "fp32", "Sinks": "fp32",
+               "BlockTable": "i32", "CacheBatchIdx": "i32", "SeqlensK": "i32", "KDescale": "fp32",
+               "VDescale": "fp32"}
+        constexprs = dict(PAGED=on, HAS_CACHE_BATCH_IDX=False, ALIGN_BOTTOM_RIGHT=True, HAS_LEFT=on, HAS_RIGHT=True,
+                          HAS_SINK_TOKENS=on, HAS_SOFTCAP=on, HAS_ALIBI=on, HAS_SINKS=on, SPLIT=on,
+                          DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=64, BLOCK_DQK=128, BLOCK_DV=128, KV_FP8=True)
+        try:
+            shared, _ = compile_one(kvcache.splitkv_kernel, ptr, {"scale", "softcap"}, constexprs, 4, 3)
+            print(f"ok   splitkv_kernel   q {qdt} cache {kvdt} features={on} smem={shared}")
+        except Exception as e:
+            failures += 1
+            print(f"FAIL splitkv_kernel q {qdt} cache {kvdt} features={on}: {str(e)[:2000]}")
+    return failures
+
+
 def main() -> int:
     failures = 0
     flags = ["IS_VARLEN", "HAS_SEQUSED_K", "ALIGN_BOTTOM_RIGHT", "HAS_LEFT", "HAS_RIGHT",
@@ -103,6 +122,7 @@ def main() -> int:
                     failures += 1
                     print(f"FAIL {kernel.fn.__name__} {dt} d{d} {constexprs}: {str(e)[:2000]}")
     failures += check_fp8(flags)
+    failures += check_fp8_kvcache()
     shared, _ = compile_one(dropout.dropout_mask_kernel, {"Mask": "i8"}, {"dropout_p"},
                             {"BLOCK_M": 64, "BLOCK_N": 64}, 4, 1)
     print("ok   dropout_mask_kernel")
