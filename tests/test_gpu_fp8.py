@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fmha
+from fmha import numerics
 from fmha.fp8 import dequantize_fp8, quantize_fp8
 from fp8_testing import bound, check_close, quantized, run_and_check
 
@@ -127,3 +128,74 @@ def test_fp8_cuda_graph_capture(rng):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------- fp8 KV cache
+
+
+def _cache8(rng, shape, dtype, batch, paged):
+    """(cache8, descale (B, Hk), dequantized float64 cache) with per-(batch, KV head) amax descales."""
+    x = _x(shape, rng)
+    if paged:  # pages are shared: one descale per KV head, repeated over the batch
+        d = (x.abs().amax(dim=(0, 1, 3)) / torch.finfo(dtype).max)[None].expand(batch, -1).contiguous()
+        rows = d[:1, None, :, None]
+    else:
+        d = x.abs().amax(dim=(1, 3)) / torch.finfo(dtype).max
+        rows = d[:, None, :, None]
+    x8 = (x / rows).to(dtype)
+    return x8, d, x8.double() * rows.double()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_fp8_kvcache_decode(rng, paged, dtype, seqlen_q):
+    B, Hq, Hk, D, S, page = 8, 32, 8, 128, 4096, 64
+    q = _x((B, seqlen_q, Hq, D), rng).to(torch.bfloat16)
+    shape = (B * S // page + 5, page, Hk, D) if paged else (B, S, Hk, D)
+    kc, kd, kf = _cache8(rng, shape, dtype, B, paged)
+    vc, vd, vf = _cache8(rng, shape, dtype, B, paged)
+    block_table = (torch.randperm(shape[0], generator=rng)[:B * S // page].reshape(B, S // page).int().to(CUDA)
+                   if paged else None)
+    seqlens = torch.randint(1, S + 1, (B,), generator=rng, dtype=torch.int32).to(CUDA)
+    sinks = _x((Hq,), rng)
+    o, lse = fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=block_table, k_descale=kd,
+                                         v_descale=vd, causal=True, sinks=sinks, return_lse=True)
+    for b in range(B):
+        n = int(seqlens[b])
+        if paged:
+            pages = block_table[b, :-(-n // page)].long()
+            kb, vb = (c[pages].reshape(-1, Hk, D)[:n] for c in (kf, vf))
+        else:
+            kb, vb = kf[b, :n], vf[b, :n]
+        qb = q[b:b + 1].transpose(1, 2)
+        kb, vb = kb.transpose(0, 1)[None], vb.transpose(0, 1)[None]
+        ref_o, ref_lse = numerics.torch_attention(qb, kb, vb, compute_dtype=torch.float64, causal=True, sinks=sinks)
+        base_o, base_lse = numerics.torch_attention(qb, kb.to(torch.bfloat16), vb.to(torch.bfloat16), causal=True,
+                                                    sinks=sinks)
+        for c in (numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16),
+                  numerics.compare("lse", lse[b:b + 1], ref_lse, base_lse, torch.float32)):
+            assert c.ok, f"batch {b} (seqlen {n}): {c}"
+
+
+def test_fp8_kvcache_append_decode_step(rng):
+    """A decode step that appends the new token into an fp8 cache, then attends to it."""
+    B, Hq, Hk, D, S = 4, 16, 4, 128, 1024
+    kc, kd, _ = _cache8(rng, (B, S, Hk, D), E4M3, B, False)
+    vc, vd, _ = _cache8(rng, (B, S, Hk, D), E4M3, B, False)
+    q = _x((B, 1, Hq, D), rng).to(torch.bfloat16)
+    k_new, v_new = (_x((B, 1, Hk, D), rng, 0.5).to(torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([0, 5, 700, S - 1], dtype=torch.int32, device=CUDA)
+    o = fmha.attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
+    for b, n in enumerate(seqlens.tolist()):
+        got = kc[b, n].double() * kd[b][:, None].double()
+        want = k_new[b, 0].double()
+        assert ((got - want).abs() <= 2.0**-4 * want.abs() + 2.0**-10 * float(kd[b].max())).all()
+    # attention over the updated cache, dequantized, in float64
+    kf, vf = kc.double() * kd[:, None, :, None].double(), vc.double() * vd[:, None, :, None].double()
+    for b, n in enumerate(seqlens.tolist()):
+        kb, vb = kf[b, :n + 1].transpose(0, 1)[None], vf[b, :n + 1].transpose(0, 1)[None]
+        ref_o, _ = numerics.torch_attention(q[b:b + 1].transpose(1, 2), kb, vb, compute_dtype=torch.float64)
+        base_o, _ = numerics.torch_attention(q[b:b + 1].transpose(1, 2), kb.to(torch.bfloat16), vb.to(torch.bfloat16))
+        c = numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16)
+        assert c.ok, f"batch {b}: {c}"

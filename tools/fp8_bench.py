@@ -4,7 +4,8 @@ B=4, H=16, S=8192, D=128 and 256, causal and not; TFLOP/s in the FlashAttention
 convention (4 * B * H * S^2 * D, halved for causal), medians of triton's do_bench medians.
 Contenders: fmha bf16, fmha fp8 e4m3 with per-(batch, head) descales, and with --sweep a
 few other fp8 tiles (each through a one-config registry ahead of the default one) so the
-registry's fp8 rows can be tuned from one run. Also checks the fp8 output against bf16.
+registry's fp8 rows can be tuned from one run. Also checks the fp8 output against bf16,
+and times decode (B=32, Hq=32, Hk=8, S=8192) over a bf16 cache and over an fp8 cache.
 
     PYTHONPATH=src python tools/fp8_bench.py OUT.json [--rounds 3] [--sweep]
 """
@@ -93,7 +94,37 @@ def main() -> int:
             print(f"   fp8 vs bf16 output: relative L2 difference {rel:.4f}")
             with open(out, "w") as f:
                 json.dump(dict(env=env, results=results), f, indent=2)
+    results.extend(decode(rounds))
+    with open(out, "w") as f:
+        json.dump(dict(env=env, results=results), f, indent=2)
     return 0
+
+
+def decode(rounds: int) -> list[dict]:
+    """Decode (one query token) over a bf16 cache and over an fp8 e4m3 cache: K+V bytes/s."""
+    rows = []
+    B, Hq, Hk, S, D = 32, 32, 8, 8192, 128
+    q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kd, vd = (c.float().abs().amax(dim=(1, 3)) / 448 for c in (kc, vc))
+    k8, v8 = ((c.float() / d[:, None, :, None]).to(torch.float8_e4m3fn) for c, d in ((kc, kd), (vc, vd)))
+    seqlens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    runs = {"decode bf16 cache": (lambda: fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens), 2),
+            "decode fp8 cache": (lambda: fmha.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens,
+                                                                     k_descale=kd, v_descale=vd), 1)}
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, (fn, _) in runs.items():
+            times.setdefault(name, []).append(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    bf16_ms = sorted(times["decode bf16 cache"])[rounds // 2]
+    diff = float((runs["decode fp8 cache"][0]().float() - runs["decode bf16 cache"][0]().float()).abs().max())
+    for name, (_, elem) in runs.items():
+        ms = sorted(times[name])[rounds // 2]
+        tbs = 2 * B * S * Hk * D * elem / ms / 1e9
+        rows.append(dict(B=B, Hq=Hq, Hk=Hk, S=S, D=D, contender=name, ms=ms, kv_tb_per_s=tbs,
+                         speedup_vs_bf16=bf16_ms / ms, times_ms=times[name], max_abs_diff_fp8_vs_bf16=diff))
+        print(f"{name:<20} {ms * 1e3:8.1f} us {tbs:6.2f} TB/s of K+V  x{bf16_ms / ms:.2f} vs bf16 cache")
+    return rows
 
 
 if __name__ == "__main__":
