@@ -23,9 +23,9 @@ def test_compiling_for_sm90_still_works_after_an_interpreted_run(tmp_path, monke
                            "HAS_SINK_TOKENS", "HAS_SOFTCAP", "HAS_BIAS", "HAS_ALIBI", "HAS_DROPOUT",
                            "HAS_SINKS"], False)
     pointers = {n: "fp16" for n in ["Q", "K", "V", "O"]}
-    pointers.update({n: "fp32" for n in ["LSE", "Bias", "Alibi", "Sinks"]})
+    pointers.update({n: "fp32" for n in ["LSE", "Bias", "Alibi", "Sinks", "QDescale", "KDescale", "VDescale"]})
     pointers.update({n: "i32" for n in ["cu_seqlens_q", "cu_seqlens_k", "seqused_k"]})
     shared, _ = compile_check.compile_one(fwd.fwd_kernel, pointers, compile_check.FLOATS,
                                           {**flags, "DOT_PRECISION": "ieee", "BLOCK_M": 16, "BLOCK_N": 16,
-                                           "BLOCK_DQK": 16, "BLOCK_DV": 16}, 4, 1)
+                                           "BLOCK_DQK": 16, "BLOCK_DV": 16, **compile_check.NO_FP8}, 4, 1)
     assert shared > 0

@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fmha.kernels import bwd, dropout, fwd
+from fmha.kernels import bwd, dropout, fwd, kvcache
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -41,6 +41,50 @@ def compile_one(kernel, pointers, floats, constexprs, num_warps, num_stages):
 
 
 FLOATS = {"scale", "softcap", "dropout_p"}
+NO_FP8 = {"FP8": False, "Q_BLOCK_DESCALE": False, "K_BLOCK_DESCALE": False, "V_BLOCK_DESCALE": False}
+
+
+def check_fp8(flags: list[str]) -> int:
+    """The fp8 forward at the registry's fp8 tiles: e4m3 and e5m2, no/all features, all
+    descales per block or none."""
+    failures = 0
+    for dt, (bm, bn, w, s, d), on in itertools.product(
+            ["fp8e4nv", "fp8e5"], [(128, 128, 8, 3, 64), (128, 128, 8, 3, 128), (128, 64, 8, 2, 256)],
+            [False, True]):
+        ptr = {n: dt for n in "QKV"} | {"O": "bf16"}
+        ptr.update({n: "fp32" for n in ["LSE", "Bias", "Alibi", "Sinks", "QDescale", "KDescale", "VDescale"]})
+        ptr.update({n: "i32" for n in ["cu_seqlens_q", "cu_seqlens_k", "seqused_k"]})
+        constexprs = {**dict.fromkeys(flags, on), "HAS_SINKS": on, "DOT_PRECISION": "ieee", "BLOCK_M": bm,
+                      "BLOCK_N": bn, "BLOCK_DQK": d, "BLOCK_DV": d, "FP8": True,
+                      "Q_BLOCK_DESCALE": on, "K_BLOCK_DESCALE": on, "V_BLOCK_DESCALE": on}
+        t = time.time()
+        try:
+            shared, _ = compile_one(fwd.fwd_kernel, ptr, FLOATS, constexprs, w, s)
+            print(f"ok   fwd_kernel       {dt} d{d} m{bm} n{bn} w{w} s{s} features={on} smem={shared} "
+                  f"({time.time() - t:.1f}s)")
+        except Exception as e:
+            failures += 1
+            print(f"FAIL fwd_kernel {dt} d{d} {constexprs}: {str(e)[:2000]}")
+    return failures
+
+
+def check_fp8_kvcache() -> int:
+    """The split-KV kernel over float8 caches (dequantized on load) with 16-bit queries."""
+    failures = 0
+    for qdt, kvdt, on in itertools.product(["bf16", "fp16"], ["fp8e4nv", "fp8e5"], [False, True]):
+        ptr = {"Q": qdt, "K": kvdt, "V": kvdt, "O": qdt, "LSE": "fp32", "Alibi": "fp32", "Sinks": "fp32",
+               "BlockTable": "i32", "CacheBatchIdx": "i32", "SeqlensK": "i32", "KDescale": "fp32",
+               "VDescale": "fp32"}
+        constexprs = dict(PAGED=on, HAS_CACHE_BATCH_IDX=False, ALIGN_BOTTOM_RIGHT=True, HAS_LEFT=on, HAS_RIGHT=True,
+                          HAS_SINK_TOKENS=on, HAS_SOFTCAP=on, HAS_ALIBI=on, HAS_SINKS=on, SPLIT=on,
+                          DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=64, BLOCK_DQK=128, BLOCK_DV=128, KV_FP8=True)
+        try:
+            shared, _ = compile_one(kvcache.splitkv_kernel, ptr, {"scale", "softcap"}, constexprs, 4, 3)
+            print(f"ok   splitkv_kernel   q {qdt} cache {kvdt} features={on} smem={shared}")
+        except Exception as e:
+            failures += 1
+            print(f"FAIL splitkv_kernel q {qdt} cache {kvdt} features={on}: {str(e)[:2000]}")
+    return failures
 
 
 def main() -> int:
@@ -60,7 +104,7 @@ def main() -> int:
             ptr.update({n: "i32" for n in ["cu_seqlens_q", "cu_seqlens_k", "seqused_k"]})
             jobs = [
                 (fwd.fwd_kernel, {**combo, "HAS_SINKS": combo["HAS_BIAS"], "DOT_PRECISION": "ieee",
-                                  "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_DQK": d, "BLOCK_DV": d}),
+                                  "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_DQK": d, "BLOCK_DV": d, **NO_FP8}),
                 (bwd.dkdv_kernel, {**combo, "WRITE_DBIAS": combo["HAS_BIAS"], "DQ_ATOMIC": not combo["HAS_BIAS"],
                                    "DOT_PRECISION": "ieee", "BLOCK_M": bm // 2, "BLOCK_N": bn * 2 if d <= 128 else bn,
                                    "BLOCK_DQK": d, "BLOCK_DV": d}),
@@ -90,6 +134,8 @@ def main() -> int:
     if only:
         print(f"{failures} failures")
         return 1 if failures else 0
+    failures += check_fp8(flags)
+    failures += check_fp8_kvcache()
     shared, _ = compile_one(dropout.dropout_mask_kernel, {"Mask": "i8"}, {"dropout_p"},
                             {"BLOCK_M": 64, "BLOCK_N": 64}, 4, 1)
     print("ok   dropout_mask_kernel")

@@ -4,9 +4,11 @@
     o = fmha.attention(q, k, v, causal=True)          # q, k, v: (B, H, S, D) tensors
 
 CUDA tensors run compiled kernels; CPU tensors run the same kernels through Triton's
-interpreter. `fmha.explain(q, k, v, ...)` says which kernels a call would launch and why.
+interpreter. Float8 q/k/v run the forward with descales (`fmha.quantize_fp8`, see fmha.fp8).
+`fmha.explain(q, k, v, ...)` says which kernels a call would launch and why.
 """
 
+from . import fp8
 from .api import (
     attention,
     attention_varlen,
@@ -17,6 +19,7 @@ from .api import (
 )
 from .configs import Algorithm, ConfigError, Family, KernelConfig, Pipeline, Signature
 from .dispatcher import Dispatcher, NoKernelError, Plan, SplitPolicy
+from .fp8 import dequantize_fp8, quantize_fp8
 from .kvcache import attention_with_kvcache, merge_states
 from .problem import DType, Feature, MaskAlign, Problem
 from .registry import Registry, default_registry
@@ -29,5 +32,5 @@ __all__ = [
     "get_dispatcher", "set_dispatcher",
     "set_debug", "Algorithm", "ConfigError", "Family", "KernelConfig", "Pipeline", "Signature",
     "Dispatcher", "NoKernelError", "Plan", "SplitPolicy", "DType", "Feature", "MaskAlign", "Problem", "Registry",
-    "default_registry", "__version__",
+    "default_registry", "__version__", "fp8", "quantize_fp8", "dequantize_fp8",
 ]

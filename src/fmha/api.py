@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import fp8 as F8
 from . import validation as V
 from .configs import Family, KernelConfig, Pipeline
 from .dispatcher import Dispatcher, Plan, default_dispatcher
@@ -111,7 +112,7 @@ def _prepare(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seq
     ndim = 3 if varlen else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
         V.check_tensor(name, t, ndim)
-    dtype = V.check_dtype("q", q)
+    dtype = V.check_dtype("q", q, allow_fp8=True)
     V.check_same(("q", "k", "v"), (q, k, v))
     layout = V.check_layout(layout)
     align = V.check_mask_align(mask_align)
@@ -148,7 +149,8 @@ def _prepare(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seq
     V.check_last_dim_contiguous("q", q)
     V.check_last_dim_contiguous("k", k)
     v_column_major = V.check_last_dim_contiguous("v", vv, allow_column_major=True)
-    V.check_bias(bias, (batch, nhead_q, seqlen_q, seqlen_k), q.dtype, q.device)
+    V.check_bias(bias, (batch, nhead_q, seqlen_q, seqlen_k),
+                 torch.float32 if F8.is_fp8(q) else q.dtype, q.device)
     V.check_alibi(alibi_slopes, batch, nhead_q, q.device)
     V.check_sinks(sinks, nhead_q, q.device, q.dtype)
     problem = Problem(
@@ -386,6 +388,72 @@ def _backward(ctx, grad_o, grad_lse):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("fmha::fwd_fp8", mutates_args=())
+def _fwd_fp8_op(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None,
+    sinks: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+    seqused_k: Tensor | None, q_descale: Tensor | None, k_descale: Tensor | None,
+    v_descale: Tensor | None, descale_block_size: int | None, out_dtype: torch.dtype,
+    max_seqlen_q: int, max_seqlen_k: int, layout: str,
+    scale: float | None, causal: bool, window_left: int, window_right: int, mask_align: str,
+    sink_size: int, softcap: float, dropout_p: float, seed: int, offset: int, deterministic: bool,
+) -> tuple[Tensor, Tensor]:
+    """Forward of float8 q/k/v with descales (fmha.fp8): (o in out_dtype, lse fp32). No autograd."""
+    args = dict(zip(_OP_ARGS, (bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                               max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
+                               window_right, mask_align, sink_size, softcap, dropout_p, seed,
+                               offset, deterministic), strict=True))
+    prep = _prepare(q, k, v, **args)
+    p = prep.problem
+    views = F8.check_descales(q, dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale),
+                              batch=p.batch, nhead_q=p.nhead_q, nhead_k=p.nhead_k, seqlen_q=p.seqlen_q,
+                              seqlen_k=p.seqlen_k, block_size=descale_block_size, varlen=p.varlen)
+    plan = _plan_forward(p, False)
+    o, o_view, lse = _alloc_like(q, v.shape[-1], p.varlen, layout, dtype=out_dtype)
+    if o.numel() or lse.numel():
+        kernels = family_module("fwd", interpreted=q.device.type == "cpu")
+        with _device_guard(q):
+            kernels.launch(prep.q, prep.k, prep.v, o_view, lse, sinks=sinks,
+                           **_kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                          seqused_k, seed, offset),
+                           **_algo(plan.config(Family.FWD)), **views,
+                           descale_block=descale_block_size or 0)
+    return o, lse
+
+
+@_fwd_fp8_op.register_fake
+def _(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, q_descale, k_descale,
+      v_descale, descale_block_size, out_dtype, max_seqlen_q, max_seqlen_k, layout, *scalars):
+    o, _, lse = _alloc_like(q, v.shape[-1], cu_seqlens_q is not None, layout, dtype=out_dtype)
+    return o, lse
+
+
+def _check_fp8_call(q, k, v, q_descale, k_descale, v_descale, descale_block_size, out_dtype, return_dropout_mask):
+    """Checks of the fp8 arguments that need no shapes; returns the output dtype."""
+    fp8 = F8.is_fp8(q)
+    if not fp8:
+        given = [n for n, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale),
+                                ("descale_block_size", descale_block_size)) if d is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} given but q.dtype={q.dtype}; descales are for "
+                             f"float8 inputs ({', '.join(map(str, F8.FP8_DTYPES))})")
+        if out_dtype is not None and out_dtype != q.dtype:
+            raise ValueError(f"out_dtype={out_dtype} differs from q.dtype={q.dtype}; a different output "
+                             f"dtype is for float8 inputs only")
+        return None
+    if out_dtype is None:
+        out_dtype = torch.bfloat16
+    if out_dtype not in F8.OUT_DTYPES:
+        raise TypeError(f"out_dtype={out_dtype!r} is not supported for float8 inputs; accepted: "
+                        f"{', '.join(map(str, F8.OUT_DTYPES))}")
+    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
+                                       for t in (q, k, v, q_descale, k_descale, v_descale)):
+        raise NotImplementedError("fmha has no backward for float8 inputs: q/k/v (or their descales) "
+                                  "require grad; run the fp8 forward under torch.no_grad() or detach "
+                                  "them, or use bf16/fp16 inputs for training")
+    return out_dtype
+
+
 @torch.library.custom_op("fmha::dropout_mask", mutates_args=())
 def _dropout_mask_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, max_seqlen_q: int,
@@ -402,7 +470,8 @@ def _dropout_mask_op(
     if dropout_p > 0 and mask.numel():
         problem = Problem(batch=batch, nhead_q=nhead_q, nhead_k=nhead_q, seqlen_q=seqlen_q,
                           seqlen_k=seqlen_k, head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1],
-                          dtype=V.check_dtype("q", q), arch=_arch_of(q.device), dropout_p=dropout_p)
+                          dtype=V.check_dtype("q", q, allow_fp8=True), arch=_arch_of(q.device),
+                          dropout_p=dropout_p)
         config = _plan_forward(problem, True).config(Family.DROPOUT_MASK)
         kernels = family_module("dropout", interpreted=q.device.type == "cpu")
         with _device_guard(q):
@@ -465,9 +534,11 @@ def _check_call_types(q, k, v, optional: dict, strings: dict, ints: dict) -> Non
 
 def _call(q, k, v, *, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
           max_seqlen_q, max_seqlen_k, layout, scale, causal, window, mask_align, sink_size,
-          softcap, dropout_p, seed, offset, deterministic, return_lse, return_dropout_mask):
+          softcap, dropout_p, seed, offset, deterministic, return_lse, return_dropout_mask,
+          q_descale=None, k_descale=None, v_descale=None, descale_block_size=None, out_dtype=None):
     _check_call_types(q, k, v, dict(bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
-                                    cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k),
+                                    cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, q_descale=q_descale,
+                                    k_descale=k_descale, v_descale=v_descale),
                       dict(layout=layout, mask_align=mask_align),
                       dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k))
     if not isinstance(deterministic, bool):
@@ -480,11 +551,17 @@ def _call(q, k, v, *, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seq
         # Drawn on the host from torch's default CPU generator (no GPU synchronisation);
         # under torch.compile pass `seed` to keep dropout inside the graph.
         seed = int(torch.randint(0, 2**62, (1,), device="cpu").item()) if dropout_p > 0 else 0
-    o, lse = _fwd_op(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                     max_seqlen_q, max_seqlen_k, layout,
-                     None if scale is None else float(scale), causal, window_left, window_right,
-                     mask_align, sink_size, float(softcap), float(dropout_p), seed, offset,
-                     deterministic)
+    out_dtype = _check_fp8_call(q, k, v, q_descale, k_descale, v_descale, descale_block_size, out_dtype,
+                                return_dropout_mask)
+    scalars = (max_seqlen_q, max_seqlen_k, layout, None if scale is None else float(scale), causal,
+               window_left, window_right, mask_align, sink_size, float(softcap), float(dropout_p), seed,
+               offset, deterministic)
+    if out_dtype is not None:  # float8 inputs
+        o, lse = _fwd_fp8_op(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                             q_descale, k_descale, v_descale, descale_block_size, out_dtype, *scalars)
+    else:
+        o, lse = _fwd_op(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                         *scalars)
     results = [o]
     if return_lse:
         results.append(lse)
@@ -501,12 +578,15 @@ def attention(
     bias: Tensor | None = None, alibi_slopes: Tensor | None = None, softcap: float = 0.0,
     sinks: Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
     offset: int = 0, return_lse: bool = False, return_dropout_mask: bool = False,
-    deterministic: bool = False,
+    deterministic: bool = False, q_descale: Tensor | None = None, k_descale: Tensor | None = None,
+    v_descale: Tensor | None = None, descale_block_size: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
-    """Fused multi-head attention (SPEC section 1), differentiable.
+    """Fused multi-head attention (SPEC section 1), differentiable (except for float8 inputs).
 
     Args:
-        q: (B, Hq, Sq, Dqk) for layout "bhsd", (B, Sq, Hq, Dqk) for "bshd"; fp16/bf16/fp32.
+        q: (B, Hq, Sq, Dqk) for layout "bhsd", (B, Sq, Hq, Dqk) for "bshd"; fp16/bf16/fp32,
+            or float8 (e4m3fn / e5m2, forward only: see the descales below and fmha.fp8).
         k: (B, Hk, Sk, Dqk) or (B, Sk, Hk, Dqk); Hq must be a multiple of Hk (GQA/MQA).
         v: (B, Hk, Sk, Dv) or (B, Sk, Hk, Dv); may be column-major (stride 1 along Sk).
         scale: logit scale, default 1/sqrt(Dqk).
@@ -522,15 +602,24 @@ def attention(
         return_lse: also return lse (B, Hq, Sq), fp32, natural log (differentiable).
         return_dropout_mask: also return the boolean keep mask (B, Hq, Sq, Sk).
         deterministic: bitwise reproducible backward (no atomics; a little slower).
+        q_descale, k_descale, v_descale: float8 inputs only, fp32: the real inputs are
+            x_fp8 * descale. Per tensor (0-d or (1,)), per (batch, KV head) (B, Hk) (q also
+            (B, Hq)), or per block of `descale_block_size` sequence positions
+            (B, Hk, ceil(S / descale_block_size)) (q also (B, Hq, ...)). None means 1.
+            `fmha.fp8.quantize_fp8` makes them. No gradient: inputs that require grad raise.
+        descale_block_size: positions per block of the 3-d descales (required with them).
+        out_dtype: float8 inputs only: torch.bfloat16 (default), float16 or float32.
 
-    Returns: o in q's layout and dtype (with Dv), then lse and the mask if asked for.
+    Returns: o in q's layout and dtype (out_dtype for float8) (with Dv), then lse and the
+    mask if asked for.
     """
     return _call(q, k, v, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=None,
                  cu_seqlens_k=None, seqused_k=None, max_seqlen_q=0, max_seqlen_k=0, layout=layout,
                  scale=scale, causal=causal, window=window, mask_align=mask_align,
                  sink_size=sink_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
                  offset=offset, deterministic=deterministic, return_lse=return_lse,
-                 return_dropout_mask=return_dropout_mask)
+                 return_dropout_mask=return_dropout_mask, q_descale=q_descale, k_descale=k_descale,
+                 v_descale=v_descale, descale_block_size=descale_block_size, out_dtype=out_dtype)
 
 
 def attention_varlen(
@@ -541,6 +630,8 @@ def attention_varlen(
     alibi_slopes: Tensor | None = None, softcap: float = 0.0, sinks: Tensor | None = None,
     dropout_p: float = 0.0, seed: int | None = None, offset: int = 0,
     return_lse: bool = False, return_dropout_mask: bool = False, deterministic: bool = False,
+    q_descale: Tensor | None = None, k_descale: Tensor | None = None, v_descale: Tensor | None = None,
+    descale_block_size: int | None = None, out_dtype: torch.dtype | None = None,
 ):
     """Attention over packed variable-length sequences (CK's group mode), differentiable.
 
@@ -549,6 +640,8 @@ def attention_varlen(
     Masks align per sequence. bias is broadcastable to (B, Hq, max_seqlen_q, max_seqlen_k)
     and indexed by positions within each sequence; the dropout mask has that shape too.
     Returns o (total_q, Hq, Dv), then lse (Hq, total_q) and the mask if asked for.
+    Float8 inputs as in `attention` (forward only); per-block descales are
+    (B, H, ceil(max_seqlen / descale_block_size)) and count positions within each sequence.
     """
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise TypeError("attention_varlen needs cu_seqlens_q and cu_seqlens_k (int32 tensors)")
@@ -558,7 +651,8 @@ def attention_varlen(
                  scale=scale, causal=causal, window=window, mask_align=mask_align,
                  sink_size=sink_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
                  offset=offset, deterministic=deterministic, return_lse=return_lse,
-                 return_dropout_mask=return_dropout_mask)
+                 return_dropout_mask=return_dropout_mask, q_descale=q_descale, k_descale=k_descale,
+                 v_descale=v_descale, descale_block_size=descale_block_size, out_dtype=out_dtype)
 
 
 def problem_of(q: Tensor, k: Tensor, v: Tensor, *, layout: str = "bhsd", scale=None,

@@ -200,7 +200,8 @@ def _rule_violations(config: KernelConfig) -> list[str]:
         rules.append(f"algorithm.dot_precision={a.dot_precision!r} must be 'ieee' or 'tf32'")
     if a.dot_precision == "tf32" and DType.FP32 not in s.dtypes:
         rules.append("algorithm.dot_precision='tf32' applies to fp32 inputs only; the dtypes have no fp32")
-    served = KVCACHE_FEATURES if s.family in KVCACHE_FAMILIES else DENSE_FEATURES
+    # KV-cache configs with VARLEN serve batch prefill (packed queries against the cache).
+    served = KVCACHE_FEATURES | {Feature.VARLEN} if s.family in KVCACHE_FAMILIES else DENSE_FEATURES
     extra = s.features - served
     if extra:
         rules.append(f"family {s.family.value} cannot serve features {sorted(f.value for f in extra)} "

@@ -174,6 +174,7 @@ def attention_with_kvcache(
     num_splits: int = 0, scale: float | None = None, causal: bool = False, window: tuple[int, int] = (-1, -1),
     mask_align: str = "bottom_right", sink_size: int = 0, softcap: float = 0.0,
     alibi_slopes: Tensor | None = None, sinks: Tensor | None = None, return_lse: bool = False,
+    k_descale: Tensor | None = None, v_descale: Tensor | None = None,
 ):
     """Attention of q over a KV cache, appending k/v first (inference; no autograd).
 
@@ -209,6 +210,12 @@ def attention_with_kvcache(
             kv_indices.numel() * page_size / B); 1..128 forces it.
         Masks, soft-cap, ALiBi and sink logits as in `fmha.attention`; the bottom-right
         alignment puts the last query on the last key of each batch.
+        k_descale, v_descale: float8 caches (e4m3fn / e5m2) with fp16/bf16/fp32 q: fp32,
+            per tensor (0-d or (1,)) or per (batch, KV head) (B, Hk), indexed by q's batch;
+            the cache holds x / descale (None: 1). Tiles are dequantized on load (exact)
+            and the products run in q's dtype. New k/v (in q's dtype) are divided by the
+            descale and rounded to the cache's format (after RoPE) as they are appended.
+            With cu_seqlens_q, appending new k/v needs per-tensor descales.
     Returns: o (B, Sq, Hq, Dv) [varlen: (total_q, Hq, Dv)] in q's dtype, and, if
         return_lse, lse (B, Hq, Sq) [varlen: (Hq, total_q)] fp32.
     """
@@ -216,7 +223,13 @@ def attention_with_kvcache(
     V.check_tensor("k_cache", k_cache, 4)
     V.check_tensor("v_cache", v_cache, 4)
     dtype = V.check_dtype("q", q)
-    V.check_same(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
+    kv_fp8 = k_cache.dtype in V.FP8_DTYPES
+    if kv_fp8:  # float8 cache, 16/32-bit queries
+        V.check_same(("k_cache", "v_cache"), (k_cache, v_cache))
+        if k_cache.device != q.device:
+            raise ValueError(f"k_cache is on {k_cache.device} but q is on {q.device}; use one device")
+    else:
+        V.check_same(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
     left, right = V.check_scalars(scale=scale, softcap=softcap, window=window, sink_size=sink_size,
                                   dropout_p=0.0, causal=causal)
     align = V.check_mask_align(mask_align)
@@ -247,6 +260,11 @@ def attention_with_kvcache(
         raise ValueError(f"num_splits={num_splits!r} must be an int in [0, 128] (0: heuristic)")
     V.check_alibi(alibi_slopes, batch, nhead_q, q.device)
     V.check_sinks(sinks, nhead_q, q.device, q.dtype)
+    kd2, vd2 = _check_cache_descales(kv_fp8, k_cache, k_descale, v_descale, batch, nhead_k, q.device)
+    if kv_fp8 and qs.varlen and k is not None and (kd2.shape[0] != 1 or vd2.shape[0] != 1):
+        raise NotImplementedError("per-(batch, KV head) k_descale/v_descale with packed new k/v "
+                                  "(cu_seqlens_q) are not supported: pass per-tensor descales, or "
+                                  "append without cu_seqlens_q")
 
     problem = Problem(
         batch=batch, nhead_q=nhead_q, nhead_k=nhead_k, seqlen_q=seqlen_q, seqlen_k=cache.seqlen_k,
@@ -271,6 +289,11 @@ def attention_with_kvcache(
         if k is not None:
             append = _algorithm_args(plan.config(Family.APPEND_KV))
             cos_sin = dict(cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved) if rotary else {}
+            if kv_fp8:  # the cache holds x / descale; rounded to float8 by the append
+                if qs.varlen:  # (total_q, Hk, D); descales are per tensor here (checked above)
+                    k, v = k.float() / kd2.reshape(1, -1, 1), v.float() / vd2.reshape(1, -1, 1)
+                else:
+                    k, v = k.float() / kd2[:, None, :, None], v.float() / vd2[:, None, :, None]
             for src, dst, rope in ((k, k_cache, cos_sin), (v, v_cache, {})):
                 kernels.launch_rotary_append(src, dst, base=cache.base, cache_batch_idx=cache.cache_batch_idx,
                                              dst_at_base=True, **pages, **varlen, **rope, **append)
@@ -289,7 +312,8 @@ def attention_with_kvcache(
                     alibi_slopes=alibi2, sinks=sinks, scale=scale, softcap=float(softcap),
                     window=(left, right), sink_size=sink_size,
                     align_bottom_right=align == MaskAlign.BOTTOM_RIGHT,
-                    **_algorithm_args(attn_config), dot_precision=attn_config.algorithm.dot_precision)
+                    **_algorithm_args(attn_config), dot_precision=attn_config.algorithm.dot_precision,
+                    **(dict(k_descale=kd2, v_descale=vd2) if kv_fp8 else {}))
         if splits == 1:
             kernels.launch_attention(q, k_cache, v_cache, o, lse, num_splits=1, **attn)
         else:
@@ -339,6 +363,38 @@ def _check_rotary(rotary_cos, rotary_sin, device, head_dim: int) -> None:
 
 def _per_sequence(n_new, batch: int) -> list[int]:
     return n_new.tolist() if isinstance(n_new, Tensor) else [n_new] * batch
+
+
+def _check_cache_descales(kv_fp8, k_cache, k_descale, v_descale, batch, nhead_k, device):
+    """k/v descales of a float8 cache as fp32 (B or 1, Hk or 1) views; (None, None) otherwise."""
+    given = {"k_descale": k_descale, "v_descale": v_descale}
+    if not kv_fp8:
+        names = [n for n, d in given.items() if d is not None]
+        if names:
+            raise ValueError(f"{', '.join(names)} given but k_cache.dtype={k_cache.dtype}; descales are for "
+                             f"float8 caches (torch.float8_e4m3fn, torch.float8_e5m2)")
+        return None, None
+    views = []
+    for name, d in given.items():
+        if d is None:
+            views.append(torch.ones((1, 1), dtype=torch.float32, device=device))
+            continue
+        if not isinstance(d, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(d).__name__}")
+        if d.dtype != torch.float32:
+            raise TypeError(f"{name}.dtype={d.dtype} must be torch.float32")
+        if d.device != device:
+            raise ValueError(f"{name} is on {d.device} but q is on {device}")
+        if d.numel() == 1 and d.dim() <= 1:
+            views.append(d.reshape(1, 1))
+        elif tuple(d.shape) == (batch, nhead_k):
+            views.append(d)
+        else:
+            raise ValueError(f"{name} has shape {tuple(d.shape)}; accepted: () or (1,) per tensor, or "
+                             f"({batch}, {nhead_k}) per (batch, KV head)")
+        if (device.type == "cpu" or V.debug_enabled()) and not bool((torch.isfinite(d) & (d > 0)).all()):
+            raise ValueError(f"{name} must be finite and > 0 everywhere")
+    return views[0], views[1]
 
 
 def _check_kvcache_values(cache_seqlens, n_new, capacity, block_table, n_rows, cache_batch_idx):

@@ -73,7 +73,12 @@ SHARED_MEMORY_LIMITS: dict[str, int] = {
 }
 
 # Element types of the config's dtype in Triton signatures.
-TRITON_TYPES: dict[DType, str] = {DType.FP16: "fp16", DType.BF16: "bf16", DType.FP32: "fp32"}
+TRITON_TYPES: dict[DType, str] = {DType.FP16: "fp16", DType.BF16: "bf16", DType.FP32: "fp32",
+                                   DType.FP8_E4M3: "fp8e4nv", DType.FP8_E5M2: "fp8e5"}
+# float8 forward: only q/k/v are fp8; the output (and the launcher's dummy, o) is bf16, the
+# descales fp32 (an absent one is a tensor of 1).
+_FP8_OPERANDS = ("Q", "K", "V")
+_FP8_DESCALES = ("QDescale", "KDescale", "VDescale")
 
 # Flags of the attention kernels (fwd, dkdv, dq); all off is "plain".
 _ATTENTION_FLAGS = ("IS_VARLEN", "HAS_SEQUSED_K", "ALIGN_BOTTOM_RIGHT", "HAS_LEFT", "HAS_RIGHT",
@@ -119,8 +124,9 @@ FAMILY_KERNELS: dict[Family, KernelSpec] = {
         pointers={**dict.fromkeys(("Q", "K", "V", "O"), IO), "LSE": "fp32",
                   # absent optional tensors: the launcher passes o
                   **dict.fromkeys(("Bias", "Alibi", "Sinks", "cu_seqlens_q", "cu_seqlens_k",
-                                   "seqused_k"), IO)},
-        floats=_ATTN_FLOATS, flags=_ATTENTION_FLAGS + ("HAS_SINKS",), causal=_CAUSAL, from_config=_TILES),
+                                   "seqused_k") + _FP8_DESCALES, IO)},
+        floats=_ATTN_FLOATS, flags=_ATTENTION_FLAGS + ("HAS_SINKS",), causal=_CAUSAL, from_config=_TILES,
+        constants=dict.fromkeys(("FP8", "Q_BLOCK_DESCALE", "K_BLOCK_DESCALE", "V_BLOCK_DESCALE"), False)),
     Family.DROPOUT_MASK: KernelSpec(
         "dropout", "dropout_mask_kernel", pointers={"Mask": "u8"}, floats=frozenset({"dropout_p"}),
         from_config={"BLOCK_M": "block_m", "BLOCK_N": "block_n"}),
@@ -318,6 +324,9 @@ def make_job(spec: KernelSpec, config: KernelConfig, dtype: DType, variant: str)
     if variant == "causal":
         values.update(dict.fromkeys(spec.causal, True))
     values.update(spec.constants)
+    fp8 = dtype in (DType.FP8_E4M3, DType.FP8_E5M2)
+    if fp8 and "FP8" in values:
+        values["FP8"] = True
     values.update({name: _config_value(config, source) for name, source in spec.from_config.items()})
     unknown = sorted((set(values) | set(spec.pointers) | spec.floats) - set(names))
     if unknown:
@@ -336,7 +345,14 @@ def make_job(spec: KernelSpec, config: KernelConfig, dtype: DType, variant: str)
             constexprs.append((name, value))
         elif name in spec.pointers:
             element = spec.pointers[name]
-            signature.append((name, "*" + (io_type if element == IO else element)))
+            if element == IO:
+                element = io_type if not fp8 or name in _FP8_OPERANDS else "bf16"
+            if fp8 and name in _FP8_DESCALES:
+                element = "fp32"
+            signature.append((name, "*" + element))
+        elif param.has_default and param.default is None:  # optional, absent: Triton makes None a constexpr
+            signature.append((name, "constexpr"))
+            constexprs.append((name, None))
         else:
             signature.append((name, "fp32" if name in spec.floats else "i32"))
     a = config.algorithm

@@ -15,6 +15,8 @@ class DType(str, Enum):
     BF16 = "bf16"
     FP32 = "fp32"
     FP64 = "fp64"  # interpreter only: for torch.autograd.gradcheck
+    FP8_E4M3 = "fp8_e4m3"  # forward only, with descales (fmha.fp8)
+    FP8_E5M2 = "fp8_e5m2"
 
 
 class Feature(str, Enum):

@@ -167,6 +167,8 @@ def default_registry() -> Registry:
     every = half + fp32
     cuda, cpu = CUDA_ARCHS, (CPU,)
     with_fp64 = every + (DType.FP64,)  # fp64 runs in the interpreter only (gradcheck)
+    fp8 = (DType.FP8_E4M3, DType.FP8_E5M2)
+    fp8_archs = tuple(a for a in CUDA_ARCHS if a not in ("sm80", "sm86", "sm87"))
     # Rows: (dtypes, archs, head_dim_max, block_m, block_n, warps, stages[, head_dim_min]).
     # The interpreter's tiles are small so that small test problems cross tile borders.
     # Gluon (Hopper) first: 0.94-1.03x cuDNN where plain Triton reaches 0.55-0.78x (H200,
@@ -187,6 +189,16 @@ def default_registry() -> Registry:
         (fp32, cuda, 256, 32, 32, 4, 1, 129),
         (with_fp64, cpu, 256, 32, 16, 4, 1),
     ])
+    # FP8 forward (fmha.fp8): tl.dot on float8 needs sm89+; tiles not tuned on a GPU yet
+    # (tools/fp8_bench.py --sweep compares candidates).
+    configs += _family_configs(Family.FWD, [
+        (fp8, fp8_archs, 64, 128, 128, 8, 3),
+        (fp8, fp8_archs, 128, 128, 128, 8, 3, 65),
+        (fp8, fp8_archs, 256, 128, 64, 8, 2, 129),
+        (fp8, cpu, 256, 32, 16, 4, 1),
+    ])
+    configs += _family_configs(Family.DROPOUT_MASK, [
+        (fp8, fp8_archs, 256, 64, 64, 4, 1), (fp8, cpu, 256, 32, 32, 4, 1)])
     configs += _family_configs(Family.DROPOUT_MASK, [
         (every, cuda, 256, 64, 64, 4, 1), (with_fp64, cpu, 256, 32, 32, 4, 1)])
     configs += _family_configs(Family.BWD_DOT_DO_O, [

@@ -19,6 +19,7 @@ from .problem import DType, MaskAlign
 
 TORCH_DTYPES = {torch.float16: DType.FP16, torch.bfloat16: DType.BF16, torch.float32: DType.FP32,
                 torch.float64: DType.FP64}
+FP8_DTYPES = {torch.float8_e4m3fn: DType.FP8_E4M3, torch.float8_e5m2: DType.FP8_E5M2}
 LAYOUTS = ("bhsd", "bshd")
 
 _debug = os.environ.get("FMHA_DEBUG", "0") not in ("", "0", "false", "False")
@@ -53,9 +54,12 @@ def check_unit_stride(name: str, t: torch.Tensor) -> None:
                          f"{t.stride()} for shape {tuple(t.shape)}; pass {name}.contiguous()")
 
 
-def check_dtype(name: str, t: torch.Tensor) -> DType:
+def check_dtype(name: str, t: torch.Tensor, *, allow_fp8: bool = False) -> DType:
+    """The DType of t; float8 only where `allow_fp8` (the forward of attention/attention_varlen)."""
+    if allow_fp8 and t.dtype in FP8_DTYPES:
+        return FP8_DTYPES[t.dtype]
     if t.dtype not in TORCH_DTYPES:
-        accepted = ", ".join(str(d) for d in TORCH_DTYPES)
+        accepted = ", ".join(str(d) for d in (*TORCH_DTYPES, *(FP8_DTYPES if allow_fp8 else ())))
         raise TypeError(f"{name}.dtype={t.dtype} is not supported; accepted: {accepted}")
     return TORCH_DTYPES[t.dtype]
 

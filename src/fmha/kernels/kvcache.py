@@ -16,6 +16,7 @@ rotated copy.
 Masks, soft-cap and ALiBi come from `common`, shared with the other families.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -77,7 +78,11 @@ def splitkv_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    KDescale=None, VDescale=None, stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0,
+    KV_FP8: tl.constexpr = False,
 ):
+    # KV_FP8: float8 caches, dequantized on load to q's dtype (exact); the k descale of
+    # (b, hk) folds into the logit scale, the v descale multiplies the output.
     # GQA packing: the query rows of all `group_size` heads that share one KV head form
     # the tile's M dimension (row r = query i * group_size + head g), so each KV head's
     # keys and values are read once per query block, not once per query head.
@@ -123,6 +128,8 @@ def splitkv_kernel(
     if HAS_ALIBI:
         alibi_slope = tl.load(Alibi + b * stride_alibib + h * stride_alibih, mask=row_ok, other=0.0)[:, None]
 
+    if KV_FP8:
+        scale = scale * tl.load(KDescale + b * stride_kdb + hk * stride_kdh)
     # Keys of this split: block-aligned slices of [0, len_k). Every key tile below starts
     # at a multiple of BLOCK_N (s_lo, lo and main_end are), which PAGE_PER_TILE relies on.
     chunk = tl.cdiv(tl.cdiv(len_k, num_splits), BLOCK_N) * BLOCK_N
@@ -167,6 +174,8 @@ def splitkv_kernel(
                                             PAGED, PAGE_PER_TILE, BLOCK_N)
             k = tl.load(_kv_tile_ptrs(K, slot, tok, stride_kb, stride_kn, hk, stride_kh, offs_dq),
                         mask=col_ok[:, None] & (offs_dq[None, :] < head_dim_qk), other=0.0)
+            if KV_FP8:
+                k = k.to(Q.dtype.element_ty)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             if HAS_SOFTCAP or HAS_ALIBI:
                 s, _ = modify_logits(s, rows, cols, diag_offset, Q, row_ok[:, None], alibi_slope, softcap,
@@ -181,6 +190,8 @@ def splitkv_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(_kv_tile_ptrs(V, slot, tok, stride_vb, stride_vn, hk, stride_vh, offs_dv),
                         mask=col_ok[:, None] & (offs_dv[None, :] < head_dim_v), other=0.0)
+            if KV_FP8:
+                v = v.to(Q.dtype.element_ty)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
     if HAS_SINKS and not SPLIT:  # with splits the combine adds the sink once
@@ -191,6 +202,8 @@ def splitkv_kernel(
         l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
         acc = acc * alpha[:, None]
         m_i = m_fin
+    if KV_FP8:
+        acc = acc * tl.load(VDescale + b * stride_vdb + hk * stride_vdh)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -336,10 +349,12 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table=None
                      alibi_slopes=None, sinks=None, num_splits: int, scale: float, softcap: float,
                      window: tuple[int, int], sink_size: int, align_bottom_right: bool,
                      block_m: int, block_n: int, num_warps: int, num_stages: int,
-                     dot_precision: str) -> None:
+                     dot_precision: str, k_descale=None, v_descale=None) -> None:
     """q (B, Sq, Hq, D), or packed (total_q, Hq, D) with cu_seqlens_q (B + 1,) and
     max_seqlen_q; caches (B_cache, S, Hk, D) or (pages, page_size, Hk, D) with a
     block_table (B, max_pages), or kv_indptr (B + 1,) and the flat kv_indices as block_table.
+    float8 caches: k_descale/v_descale are fp32 (B or 1, Hk or 1) views (zero strides
+    where they broadcast).
 
     num_splits == 1: o (B, Sq, Hq, Dv) [varlen: (total_q, Hq, Dv)] and lse (B, Hq, Sq)
     [(Hq, total_q)] are final. num_splits > 1: o is (splits, B, Hq, Sq, Dv) fp32
@@ -388,8 +403,24 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table=None
         HAS_SINK_TOKENS=sink_size > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
         HAS_SINKS=sinks is not None, SPLIT=split, DOT_PRECISION=dot_precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=padded_dim(head_dim_qk), BLOCK_DV=padded_dim(head_dim_v),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **_fp8_args(k_cache, k_descale, v_descale),
     )
+
+
+def _fp8_args(k_cache, k_descale, v_descale) -> dict:
+    """Kernel arguments of a float8 cache (none for 16/32-bit caches)."""
+    if k_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return {}
+    one = torch.ones((1, 1), dtype=torch.float32, device=k_cache.device)
+    kd = k_descale if k_descale is not None else one
+    vd = v_descale if v_descale is not None else one
+
+    def strides(d):
+        return tuple(st if n > 1 else 0 for st, n in zip(d.stride(), d.shape, strict=True))
+
+    (kdb, kdh), (vdb, vdh) = strides(kd), strides(vd)
+    return dict(KDescale=kd, VDescale=vd, stride_kdb=kdb, stride_kdh=kdh, stride_vdb=vdb, stride_vdh=vdh,
+                KV_FP8=True)
 
 
 def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sinks=None,

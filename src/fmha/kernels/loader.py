@@ -11,6 +11,10 @@ Two small patches to Triton 3.6's interpreter, applied when the copy is first ma
   widens them to fp32 first (exact), which is what the GPU's tensor cores compute;
 - it converts fp32 to bf16 by truncation; `_patch_bf16_rounding` rounds to nearest even,
   as the GPU does;
+- its float8 conversions are wrong (rounding that does not carry into the exponent, no
+  saturation, e5m2 <-> e4m3 fails) and `tl.dot` widens fp8 through the same code;
+  `_patch_fp8` converts exactly through torch's float8 types, saturating to the largest
+  finite value as the GPU's `cvt.rn.satfinite` does;
 - Triton's own library functions (`tl.zeros`, `tl.max`, `tl.philox`, ...) were decorated
   compiled, and a compiled `JITFunction` refuses to be called from Python;
   `_patch_jit_calls` runs them interpreted while an interpreted grid is executing.
@@ -91,6 +95,51 @@ def _patch_bf16_dot() -> None:
     builder.create_dot = create_dot
 
 
+def _patch_fp8() -> None:
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_fp_to_fp, "_fmha_patched", False):
+        return
+    fp8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+    original_fp_to_fp, original_dot = builder.create_fp_to_fp, builder.create_dot
+
+    def to_f32(handle) -> np.ndarray:
+        ty = handle.dtype.scalar
+        if ty in fp8:
+            return torch.from_numpy(np.ascontiguousarray(handle.data)).view(fp8[ty]).float().numpy()
+        if ty == tl.bfloat16:
+            return (handle.data.astype(np.uint32) << 16).view(np.float32)
+        return handle.data.astype(np.float32)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+        if src_ty not in fp8 and dst_ty not in fp8:
+            return original_fp_to_fp(self, src, dst_type, rounding_mode)
+        x = to_f32(src)
+        if dst_ty in fp8:
+            big = torch.finfo(fp8[dst_ty]).max
+            x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+            x = torch.where(x.isnan(), x, x.clamp(-big, big))  # satfinite, NaN stays NaN
+            data = x.to(fp8[dst_ty]).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(data, dst_ty)
+        if dst_ty == tl.bfloat16:
+            return self.cast_impl(interpreter.TensorHandle(x, tl.float32), dst_type)
+        return interpreter.TensorHandle(x.astype(interpreter._get_np_dtype(dst_type)), dst_ty)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar in fp8 or b.dtype.scalar in fp8:  # exact products, fp32 sums
+            a = interpreter.TensorHandle(to_f32(a), tl.float32)
+            b = interpreter.TensorHandle(to_f32(b), tl.float32)
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_fp_to_fp._fmha_patched = True
+    builder.create_fp_to_fp = create_fp_to_fp
+    builder.create_dot = create_dot
+
+
 _interpreting = threading.local()
 
 
@@ -167,6 +216,7 @@ def _interpreted_package() -> str:
 
     _patch_bf16_dot()
     _patch_bf16_rounding()
+    _patch_fp8()
     _patch_jit_calls()
     spec = importlib.util.spec_from_file_location(
         _INTERPRETED_NAME, _PACKAGE_DIR / "__init__.py",

@@ -1,0 +1,360 @@
+"""FP8 forward on the CPU: quantize helpers, argument checks, and the real kernel through
+Triton's interpreter (fmha.kernels.loader patches its float8 conversions to be exact).
+
+Kernel results are checked against the float64 reference on the dequantized inputs with
+the element-wise fp8 error bound derived in tests/fp8_testing.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import fmha
+from fmha import reference
+from fmha.fp8 import dequantize_fp8, quantize_fp8
+from fp8_testing import bound as fp8_bound
+from fp8_testing import check_close, probabilities, quantized, run_and_check
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8 = [E4M3, E5M2]
+
+
+def _rng():
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+
+
+def _x(shape, rng, scale=1.0):
+    return torch.randn(shape, generator=rng) * scale
+
+
+# ---------------------------------------------------------------------------- quantize
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("granularity", ["tensor", "head", "block"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_quantize_round_trip_is_within_one_rounding(dtype, granularity, layout):
+    rng = _rng()
+    shape = (2, 3, 37, 8) if layout == "bhsd" else (2, 37, 3, 8)
+    x = _x(shape, rng) * torch.linspace(0.1, 10, 37)[:, None] .expand(37, 8).reshape(
+        (1, 1, 37, 8) if layout == "bhsd" else (1, 37, 1, 8))
+    x8, d = quantize_fp8(x, dtype, granularity, 16, layout=layout)
+    assert x8.dtype == dtype and x8.shape == x.shape
+    expected = {"tensor": (), "head": (2, 3), "block": (2, 3, 3)}[granularity]
+    assert tuple(d.shape) == expected and d.dtype == torch.float32
+    back = dequantize_fp8(x8, d, layout=layout, block_size=16)
+    # relative unit 2^-4 (e4m3) / 2^-3 (e5m2) for normal numbers; subnormal steps below
+    unit, sub = (2.0**-4, 2.0**-10) if dtype == E4M3 else (2.0**-3, 2.0**-17)
+    full = d.reshape(-1).max() if granularity == "tensor" else None
+    dmax = float(full if full is not None else d.max())
+    assert ((back - x).abs() <= unit * x.abs() + sub * dmax + 1e-12).all()
+    # the largest |x| of each group maps to the format's largest value
+    assert float(x8.float().abs().max()) == torch.finfo(dtype).max
+
+
+def test_quantize_varlen_blocks_count_positions_per_sequence():
+    rng = _rng()
+    cu = torch.tensor([0, 5, 25, 26], dtype=torch.int32)
+    x = _x((26, 2, 8), rng)
+    x[5:9] *= 100  # first block of sequence 1 is large
+    x8, d = quantize_fp8(x, E4M3, "block", 4, cu_seqlens=cu)
+    assert tuple(d.shape) == (3, 2, 5)  # ceil(max_seqlen 20 / 4)
+    assert (d[1, :, 0] > 10 * d[1, :, 1]).all()
+    assert (d[2, :, 1:] == 1).all() and (d[0, :, 2:] == 1).all()  # blocks past a sequence's end
+    back = dequantize_fp8(x8, d, block_size=4, cu_seqlens=cu)
+    assert ((back - x).abs() <= 2.0**-4 * x.abs() + 2.0**-10 * float(d.max())).all()
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        quantize_fp8(x, E4M3, "head")
+
+
+def test_quantize_zero_tensor_gets_descale_one():
+    x8, d = quantize_fp8(torch.zeros(1, 1, 4, 8), E4M3, "head")
+    assert (d == 1).all() and (x8.float() == 0).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dtype=torch.float16), "dtype"),
+    (dict(granularity="row"), "granularity"),
+    (dict(block_size=0), "block_size"),
+])
+def test_quantize_rejects_bad_arguments(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        quantize_fp8(torch.randn(1, 1, 4, 8), **kwargs)
+
+
+# ---------------------------------------------------------------------------- the bound
+
+
+def test_torch_float64_truth_matches_the_numpy_reference():
+    """The bound's float64 forward (torch, runs on the GPU too) is fmha.reference's."""
+    rng = _rng()
+    q, k, v = _x((2, 4, 9, 8), rng), _x((2, 2, 13, 8), rng), _x((2, 2, 13, 6), rng)
+    kw = dict(scale=0.4, window=(5, 2), sink_size=2, bias=_x((1, 4, 9, 13), rng), softcap=1.5,
+              alibi_slopes=torch.rand(2, 4, generator=rng), sinks=_x((4,), rng), dropout_p=0.3)
+    mask = torch.rand(2, 4, 9, 13, generator=rng) > 0.3
+    f = probabilities(q, k, v, dropout_mask=mask, **kw)
+    ref_o, ref_lse = reference.attention_fwd(*(t.double().numpy() for t in (q, k, v)), dropout_mask=mask.numpy(),
+                                             **{n: (t.double().numpy() if isinstance(t, torch.Tensor) else t)
+                                                for n, t in kw.items()})
+    np.testing.assert_allclose(f["o"].numpy(), ref_o, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(f["lse"].numpy(), ref_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_error_bound_catches_a_wrong_descale():
+    """The bound is tight enough that a v descale off by 25% fails (so the checks can fail)."""
+    rng = _rng()
+    q, k, v = _x((1, 1, 24, 16), rng), _x((1, 1, 40, 16), rng), _x((1, 1, 40, 16), rng)
+    q8, qd, qf = quantized(q, E4M3, "tensor")
+    k8, kd, kf = quantized(k, E4M3, "tensor")
+    v8, vd, vf = quantized(v, E4M3, "tensor")
+    o_ref, lse_ref, o_tol, lse_tol = fp8_bound(qf, kf, vf, out_dtype=torch.float32, gpu=False)
+    o = fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd * 1.25, out_dtype=torch.float32)
+    with pytest.raises(AssertionError, match="exceeds the fp8 bound"):
+        check_close("o", o, o_ref, o_tol)
+
+
+# ---------------------------------------------------------------------------- kernel (interpreter)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("granularity", ["tensor", "head", "block"])
+def test_fp8_forward_matches_reference(dtype, granularity):
+    rng = _rng()
+    q, k, v = _x((1, 2, 21, 24), rng), _x((1, 1, 37, 24), rng, 2.0), _x((1, 1, 37, 24), rng)
+    run_and_check(q, k, v, dtype=dtype, granularity=granularity, causal=True)
+
+
+@pytest.mark.parametrize("case", ["window_sinktokens_bshd", "softcap_sinks_alibi", "bias_dropout",
+                                  "top_left_fp16_out", "dims_fp32_out"])
+def test_fp8_forward_features(case):
+    rng = _rng()
+    B, Hq, Hk, Sq, Sk, D, Dv = 1, 2, 1, 21, 35, 32, 32
+    kw, layout, out_dtype, gran = {}, "bhsd", torch.bfloat16, "head"
+    if case == "window_sinktokens_bshd":
+        kw = dict(window=(9, 3), sink_size=4)
+        layout = "bshd"
+    elif case == "softcap_sinks_alibi":
+        kw = dict(softcap=2.0, sinks=_x((Hq,), rng), alibi_slopes=torch.rand(Hq, generator=rng))
+        gran = "block"
+    elif case == "bias_dropout":
+        kw = dict(bias=_x((1, Hq, Sq, Sk), rng), dropout_p=0.2, seed=7)
+        gran = "tensor"
+    elif case == "top_left_fp16_out":
+        kw = dict(causal=True, mask_align="top_left")
+        out_dtype = torch.float16
+    else:
+        D, Dv, Hk = 20, 12, 2
+        out_dtype = torch.float32
+        kw = dict(scale=0.3)
+
+    def shape(h, s, d):
+        return (B, h, s, d) if layout == "bhsd" else (B, s, h, d)
+
+    q, k, v = _x(shape(Hq, Sq, D), rng), _x(shape(Hk, Sk, D), rng), _x(shape(Hk, Sk, Dv), rng)
+    run_and_check(q, k, v, granularity=gran, layout=layout, out_dtype=out_dtype, **kw)
+
+
+def test_fp8_q_descale_per_query_head_and_per_kv_head():
+    """q's descale may be (B, Hq) or (B, Hk) (shared by a KV head's query heads)."""
+    rng = _rng()
+    q, k, v = _x((1, 4, 12, 16), rng), _x((1, 2, 20, 16), rng), _x((1, 2, 20, 16), rng)
+    k8, kd, kf = quantized(k, E4M3, "head")
+    v8, vd, vf = quantized(v, E4M3, "head")
+    q8, qd, qf = quantized(q, E4M3, "head")  # (1, 4)
+    assert qd.shape == (1, 4)
+    o_ref, lse_ref, o_tol, lse_tol = fp8_bound(qf, kf, vf, out_dtype=torch.bfloat16, gpu=False)
+    o, lse = fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)
+    check_close("o", o, o_ref, o_tol)
+    check_close("lse", lse, lse_ref, lse_tol)
+    # per KV head: both query heads of a group share the descale
+    qd2 = torch.stack([qd[:, 0] * 1.5, qd[:, 2] * 0.5], dim=1)
+    qf2 = dequantize_fp8(q8, qd2).double()
+    o_ref, lse_ref, o_tol, lse_tol = fp8_bound(qf2, kf, vf, out_dtype=torch.bfloat16, gpu=False)
+    o, lse = fmha.attention(q8, k8, v8, q_descale=qd2, k_descale=kd, v_descale=vd, return_lse=True)
+    check_close("o", o, o_ref, o_tol)
+    check_close("lse", lse, lse_ref, lse_tol)
+
+
+def test_fp8_varlen_with_block_descales():
+    rng = _rng()
+    seqs_q, seqs_k = [5, 19, 1], [12, 30, 7]
+    cu_q = torch.tensor(np.cumsum([0] + seqs_q), dtype=torch.int32)
+    cu_k = torch.tensor(np.cumsum([0] + seqs_k), dtype=torch.int32)
+    Hq, Hk, D, bs = 4, 2, 16, 8
+    q, k, v = _x((sum(seqs_q), Hq, D), rng), _x((sum(seqs_k), Hk, D), rng), _x((sum(seqs_k), Hk, D), rng)
+    q8, qd = quantize_fp8(q, E4M3, "block", bs, cu_seqlens=cu_q)
+    k8, kd = quantize_fp8(k, E4M3, "block", bs, cu_seqlens=cu_k)
+    v8, vd = quantize_fp8(v, E4M3, "head", cu_seqlens=cu_k)
+    o, lse = fmha.attention_varlen(q8, k8, v8, cu_q, cu_k, max(seqs_q), max(seqs_k), causal=True,
+                                   q_descale=qd, k_descale=kd, v_descale=vd, descale_block_size=bs,
+                                   return_lse=True, out_dtype=torch.float32)
+    qf = dequantize_fp8(q8, qd, block_size=bs, cu_seqlens=cu_q).double()
+    kf = dequantize_fp8(k8, kd, block_size=bs, cu_seqlens=cu_k).double()
+    vf = dequantize_fp8(v8, vd, cu_seqlens=cu_k).double()
+    for b in range(3):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        o_ref, lse_ref, o_tol, lse_tol = fp8_bound(
+            qf[sq].transpose(0, 1)[None], kf[sk].transpose(0, 1)[None],
+            vf[sk].transpose(0, 1)[None], out_dtype=torch.float32, gpu=False, causal=True)
+        check_close(f"o[{b}]", o[sq].transpose(0, 1)[None], o_ref, o_tol)
+        check_close(f"lse[{b}]", lse[:, sq][None], lse_ref, lse_tol)
+
+
+def test_fp8_without_descales_means_descale_one():
+    rng = _rng()
+    q8, k8, v8 = (_x((1, 1, 16, 16), rng).to(E4M3) for _ in range(3))
+    o = fmha.attention(q8, k8, v8, out_dtype=torch.float32)
+    o_ref, _, o_tol, _ = fp8_bound(*(t.double() for t in (q8, k8, v8)), out_dtype=torch.float32, gpu=False)
+    check_close("o", o, o_ref, o_tol)
+
+
+# ---------------------------------------------------------------------------- dispatch and errors
+
+
+def test_dispatcher_selects_an_fp8_config_and_explain_shows_it():
+    q8 = torch.zeros(1, 2, 16, 64, dtype=E4M3)
+    text = fmha.explain(q8, q8, q8)
+    assert "fp8_e4m3" in text and "selected: fwd_fp8_e4m3-fp8_e5m2" in text
+    problem = fmha.Problem(batch=1, nhead_q=2, nhead_k=2, seqlen_q=16, seqlen_k=16, head_dim_qk=128,
+                           head_dim_v=128, dtype=fmha.DType.FP8_E5M2, arch="sm90")
+    config, _ = fmha.get_dispatcher().select(problem)
+    assert fmha.DType.FP8_E5M2 in config.signature.dtypes and "sm90" in config.signature.archs
+    with pytest.raises(fmha.NoKernelError, match="dtype fp8_e5m2 not in"):
+        fmha.get_dispatcher().select(problem.with_(arch="sm80"))
+
+
+def _q8(shape=(2, 4, 8, 16)):
+    return torch.randn(shape).to(E4M3)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(q_descale=torch.ones(3)), ValueError, r"q_descale has shape \(3,\); accepted"),
+    (dict(k_descale=torch.ones(2, 4)), ValueError, r"k_descale has shape \(2, 4\)"),  # Hk=2 here
+    (dict(v_descale=torch.ones(2, 2, 2)), ValueError, "needs descale_block_size"),
+    (dict(v_descale=torch.ones(2, 2, 3), descale_block_size=8), ValueError, r"ceil\(seqlen / descale_block_size\) = 2"),
+    (dict(descale_block_size=8), ValueError, "no descale is per block"),
+    (dict(q_descale=torch.ones((), dtype=torch.float64)), TypeError, "q_descale.dtype"),
+    (dict(k_descale=torch.zeros(())), ValueError, "finite and > 0"),
+    (dict(out_dtype=torch.float8_e4m3fn), TypeError, "out_dtype"),
+    (dict(bias=torch.zeros(16, 16, dtype=E4M3)), TypeError, "bias.dtype"),
+])
+def test_fp8_arguments_are_checked(kwargs, error, match):
+    q8, kv = _q8(), _q8((2, 2, 16, 16))
+    with pytest.raises(error, match=match):
+        fmha.attention(q8, kv, kv, **kwargs)
+
+
+def test_descales_with_16_bit_inputs_are_refused():
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="descales are for float8 inputs"):
+        fmha.attention(q, q, q, k_descale=torch.ones(()))
+    with pytest.raises(ValueError, match="out_dtype"):
+        fmha.attention(q, q, q, out_dtype=torch.float32)
+
+
+def test_mixed_fp8_formats_are_refused():
+    q8 = _q8()
+    with pytest.raises(TypeError, match="one dtype"):
+        fmha.attention(q8, q8.to(torch.float32).to(E5M2), q8)
+
+
+def test_fp8_grad_raises_not_implemented():
+    q8 = _q8((1, 1, 8, 16)).requires_grad_()
+    with pytest.raises(NotImplementedError, match="no backward for float8"):
+        fmha.attention(q8, q8.detach(), q8.detach())
+    qd = torch.ones((), requires_grad=True)
+    with pytest.raises(NotImplementedError, match="no backward for float8"):
+        fmha.attention(q8.detach(), q8.detach(), q8.detach(), q_descale=qd)
+    with torch.no_grad():  # fine without autograd
+        o = fmha.attention(q8, q8.detach(), q8.detach())
+    assert o.dtype == torch.bfloat16 and not math.isnan(float(o.float().sum()))
+
+
+# ---------------------------------------------------------------------------- fp8 KV cache
+
+
+def _fp8_cache(rng, shape, dtype, per_head: bool, batch: int, base: float = 0.01):
+    """(cache8, descale, dequantized float64 cache); per-head descales are per (batch, KV head)."""
+    x = _x(shape, rng)
+    nhead_k = shape[2]
+    d = (torch.rand(batch, nhead_k, generator=rng) + 0.5) * base if per_head else torch.tensor(1.3 * base)
+    if per_head and shape[0] != batch:  # paged: pages are shared, so one descale per KV head
+        d = d[:1].expand(batch, nhead_k).contiguous()
+    d_rows = d.reshape(1, 1, 1, 1) if d.dim() == 0 else d[:shape[0] if shape[0] == batch else 1, None, :, None]
+    x8 = (x / d_rows).to(dtype)
+    return x8, d, (x8.double() * d_rows.double())
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_kvcache_matches_reference_on_the_dequantized_cache(paged, per_head, num_splits):
+    rng = _rng()
+    B, Sq, Hq, Hk, D = 2, 2, 4, 2, 32
+    q = _x((B, Sq, Hq, D), rng).to(torch.float16)
+    dtype = E4M3 if per_head else E5M2
+    shape = (11, 4, Hk, D) if paged else (B, 40, Hk, D)
+    kc, kd, kf = _fp8_cache(rng, shape, dtype, per_head, B)
+    vc, vd, vf = _fp8_cache(rng, shape, dtype, per_head, B)
+    block_table = torch.randperm(11, generator=rng)[:10].reshape(B, 5).int() if paged else None
+    seqlens = torch.tensor([17, 20] if paged else [17, 40], dtype=torch.int32)
+    kw = dict(causal=True, softcap=4.0, sinks=_x((Hq,), rng))
+    o, lse = fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=block_table,
+                                         k_descale=kd, v_descale=vd, num_splits=num_splits, return_lse=True, **kw)
+    assert o.dtype == torch.float16
+    ro, rl, _, _ = reference.attention_with_kvcache(
+        q.double().numpy(), kf.numpy(), vf.numpy(), cache_seqlens=seqlens.numpy(),
+        block_table=None if block_table is None else block_table.numpy(), causal=True, softcap=4.0,
+        sinks=kw["sinks"].double().numpy())
+    assert float(np.abs(o.double().numpy() - ro).max()) < 3e-3  # fp16 P and output, as the fp16 cache tests
+    assert float(np.abs(lse.double().numpy() - rl).max()) < 1e-4
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_fp8_kvcache_append_rounds_new_tokens_into_the_cache(rotary):
+    rng = _rng()
+    B, Hq, Hk, D, n_new = 2, 2, 1, 16, 3
+    q = _x((B, 1, Hq, D), rng).to(torch.bfloat16)
+    # descales large enough that the new (rotated) tokens do not saturate (|x| < 448 * 0.025)
+    kc, kd, _ = _fp8_cache(rng, (B, 24, Hk, D), E4M3, True, B, base=0.05)
+    vc, vd, _ = _fp8_cache(rng, (B, 24, Hk, D), E4M3, True, B, base=0.05)
+    k_new, v_new = _x((B, n_new, Hk, D), rng).to(torch.bfloat16), _x((B, n_new, Hk, D), rng).to(torch.bfloat16)
+    seqlens = torch.tensor([5, 20], dtype=torch.int32)
+    rot = dict(rotary_cos=_x((32, 4), rng), rotary_sin=_x((32, 4), rng)) if rotary else {}
+    kc0 = kc.clone()
+    o = fmha.attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=seqlens, k_descale=kd,
+                                    v_descale=vd, **rot)
+    # the reference's appended (and rotated) rows, in float64
+    _, _, rk, rv = reference.attention_with_kvcache(
+        q.double().numpy(), (kc0.double() * kd[:, None, :, None]).numpy(), np.zeros(vc.shape), k=k_new.double().numpy(),
+        v=v_new.double().numpy(), cache_seqlens=seqlens.numpy(),
+        **{n: t.double().numpy() for n, t in rot.items()})
+    for b, n in enumerate(seqlens.tolist()):
+        for cache, d, ref in ((kc, kd, rk), (vc, vd, rv)):
+            got = cache[b, n:n + n_new].double() * d[b][None, :, None]
+            want = torch.from_numpy(ref[b, n:n + n_new])
+            assert ((got - want).abs() <= 2.0**-4 * want.abs() + 2.0**-10 * float(d.max()) + 1e-6).all()
+        assert torch.equal(kc[b, :n], kc0[b, :n])  # rows before cache_seqlens untouched
+    if not rotary:  # attention over what is now in the cache
+        ro, _, _, _ = reference.attention_with_kvcache(
+            q.double().numpy(), (kc.double() * kd[:, None, :, None]).numpy(),
+            (vc.double() * vd[:, None, :, None]).numpy(), cache_seqlens=(seqlens + n_new).numpy())
+        assert float(np.abs(o.double().numpy() - ro).max()) < 2e-2  # bf16 P and output
+
+
+def test_fp8_kvcache_arguments_are_checked():
+    q = torch.randn(1, 1, 2, 16, dtype=torch.float16)
+    c16 = torch.randn(1, 8, 2, 16, dtype=torch.float16)
+    c8 = c16.to(E4M3)
+    with pytest.raises(ValueError, match="descales are for float8 caches"):
+        fmha.attention_with_kvcache(q, c16, c16, k_descale=torch.ones(()))
+    with pytest.raises(ValueError, match=r"k_descale has shape \(2,\)"):
+        fmha.attention_with_kvcache(q, c8, c8, k_descale=torch.ones(2))
+    with pytest.raises(TypeError, match="v_cache.dtype"):
+        fmha.attention_with_kvcache(q, c8, c8.float().to(E5M2))
+    with pytest.raises(TypeError, match="q.dtype"):
+        fmha.attention_with_kvcache(q.to(E4M3), c8, c8)

@@ -1,0 +1,191 @@
+"""FP8 forward on the GPU (`pytest -m gpu`, H200): realistic sizes, every feature.
+
+Checked against the float64 truth on the dequantized inputs with the fp8 error bound of
+tests/fp8_testing.py (gpu=True: it includes Hopper's reduced-precision fp8 MMA sums).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import fmha
+from fmha import numerics
+from fmha.fp8 import dequantize_fp8, quantize_fp8
+from fp8_testing import bound, check_close, quantized, run_and_check
+
+pytestmark = pytest.mark.gpu
+CUDA = "cuda"
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _x(shape, rng, scale=1.0):
+    return (torch.randn(shape, generator=rng) * scale).to(CUDA)
+
+
+@pytest.mark.parametrize("dtype, causal, head_dim", [
+    (E4M3, False, 64), (E4M3, True, 64), (E4M3, False, 128), (E4M3, True, 128), (E4M3, False, 256),
+    (E4M3, True, 256), (E5M2, True, 128)])
+def test_fp8_forward_realistic(rng, dtype, causal, head_dim):
+    q, k, v = (_x((2, 8, 1024, head_dim), rng) for _ in range(3))
+    ratio = run_and_check(q, k, v, dtype=dtype, granularity="head", causal=causal, gpu=True)
+    print(f"max error / bound = {ratio:.3f}")
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head", "block"])
+def test_fp8_descale_granularities(rng, granularity, block_size=100):
+    q, k, v = _x((2, 8, 777, 128), rng), _x((2, 2, 1500, 128), rng, 3.0), _x((2, 2, 1500, 128), rng)
+    run_and_check(q, k, v, granularity=granularity, block_size=block_size, causal=True, gpu=True)
+
+
+@pytest.mark.parametrize("case", ["window_sinktokens_softcap_sinks", "alibi_bias_dropout",
+                                  "top_left_bshd_gqa_odd_dims_fp16"])
+def test_fp8_forward_features(rng, case):
+    B, Hq, Hk, Sq, Sk, D, Dv = 2, 8, 2, 600, 1100, 128, 128
+    kw, layout, out_dtype = {}, "bhsd", torch.bfloat16
+    if case == "window_sinktokens_softcap_sinks":
+        kw = dict(window=(256, 32), sink_size=16, softcap=15.0, sinks=_x((Hq,), rng))
+    elif case == "alibi_bias_dropout":
+        kw = dict(alibi_slopes=torch.rand(B, Hq, generator=rng).to(CUDA), bias=_x((1, Hq, Sq, Sk), rng),
+                  dropout_p=0.1, seed=1234, causal=True)
+    else:
+        kw = dict(causal=True, mask_align="top_left")
+        layout = "bshd"
+        Hq, Hk, D, Dv = 12, 3, 72, 40
+        out_dtype = torch.float16
+
+    def shape(h, s, d):
+        return (B, h, s, d) if layout == "bhsd" else (B, s, h, d)
+
+    q, k, v = _x(shape(Hq, Sq, D), rng), _x(shape(Hk, Sk, D), rng), _x(shape(Hk, Sk, Dv), rng)
+    run_and_check(q, k, v, granularity="block", block_size=128, layout=layout, out_dtype=out_dtype,
+                  gpu=True, **kw)
+
+
+def test_fp8_varlen(rng):
+    seqs_q, seqs_k = [1, 300, 77, 1024], [500, 300, 1, 1300]
+    cu_q = torch.tensor(np.cumsum([0] + seqs_q), dtype=torch.int32, device=CUDA)
+    cu_k = torch.tensor(np.cumsum([0] + seqs_k), dtype=torch.int32, device=CUDA)
+    Hq, Hk, D, bs = 8, 2, 128, 128
+    q, k, v = _x((sum(seqs_q), Hq, D), rng), _x((sum(seqs_k), Hk, D), rng), _x((sum(seqs_k), Hk, D), rng)
+    q8, qd = quantize_fp8(q, E4M3, "block", bs, cu_seqlens=cu_q)
+    k8, kd = quantize_fp8(k, E4M3, "block", bs, cu_seqlens=cu_k)
+    v8, vd = quantize_fp8(v, E4M3, "head", cu_seqlens=cu_k)
+    o, lse = fmha.attention_varlen(q8, k8, v8, cu_q, cu_k, max(seqs_q), max(seqs_k), causal=True,
+                                   q_descale=qd, k_descale=kd, v_descale=vd, descale_block_size=bs,
+                                   return_lse=True, out_dtype=torch.float32)
+    qf = dequantize_fp8(q8, qd, block_size=bs, cu_seqlens=cu_q).double()
+    kf = dequantize_fp8(k8, kd, block_size=bs, cu_seqlens=cu_k).double()
+    vf = dequantize_fp8(v8, vd, cu_seqlens=cu_k).double()
+    for b in range(len(seqs_q)):
+        sq, sk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        o_ref, lse_ref, o_tol, lse_tol = bound(qf[sq].transpose(0, 1)[None], kf[sk].transpose(0, 1)[None],
+                                               vf[sk].transpose(0, 1)[None], out_dtype=torch.float32,
+                                               gpu=True, causal=True)
+        check_close(f"o[{b}]", o[sq].transpose(0, 1)[None], o_ref, o_tol)
+        check_close(f"lse[{b}]", lse[:, sq][None], lse_ref, lse_tol)
+
+
+def test_fp8_long_sequence(rng):
+    q, k, v = _x((1, 2, 8192, 128), rng), _x((1, 1, 8192, 128), rng), _x((1, 1, 8192, 128), rng)
+    run_and_check(q, k, v, granularity="tensor", causal=True, gpu=True)
+
+
+def test_fp8_column_major_v(rng):
+    """v with stride 1 along the sequence (the layout FP8 wgmma wants) gives the same result."""
+    q, k, v = (_x((2, 4, 512, 128), rng) for _ in range(3))
+    q8, qd, _ = quantized(q, E4M3, "head")
+    k8, kd, _ = quantized(k, E4M3, "head")
+    v8, vd, _ = quantized(v, E4M3, "head")
+    v8_cm = v8.transpose(-1, -2).contiguous().transpose(-1, -2)
+    a = fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    b = fmha.attention(q8, k8, v8_cm, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    assert torch.equal(a, b)
+
+
+def test_fp8_grad_is_refused(rng):
+    q8 = _x((1, 2, 64, 64), rng).to(E4M3).requires_grad_()
+    with pytest.raises(NotImplementedError, match="no backward for float8"):
+        fmha.attention(q8, q8.detach(), q8.detach())
+
+
+def test_fp8_cuda_graph_capture(rng):
+    """No host reads of descales on CUDA (outside debug mode): the call captures."""
+    q, k, v = (_x((1, 4, 256, 64), rng) for _ in range(3))
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(t, E4M3, "head") for t in (q, k, v))
+    args = dict(q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    want = fmha.attention(q8, k8, v8, **args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fmha.attention(q8, k8, v8, **args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------- fp8 KV cache
+
+
+def _cache8(rng, shape, dtype, batch, paged):
+    """(cache8, descale (B, Hk), dequantized float64 cache) with per-(batch, KV head) amax descales."""
+    x = _x(shape, rng)
+    if paged:  # pages are shared: one descale per KV head, repeated over the batch
+        d = (x.abs().amax(dim=(0, 1, 3)) / torch.finfo(dtype).max)[None].expand(batch, -1).contiguous()
+        rows = d[:1, None, :, None]
+    else:
+        d = x.abs().amax(dim=(1, 3)) / torch.finfo(dtype).max
+        rows = d[:, None, :, None]
+    x8 = (x / rows).to(dtype)
+    return x8, d, x8.double() * rows.double()
+
+
+@pytest.mark.parametrize("paged, dtype, seqlen_q", [(False, E4M3, 1), (True, E4M3, 1), (True, E5M2, 4)])
+def test_fp8_kvcache_decode(rng, paged, dtype, seqlen_q):
+    B, Hq, Hk, D, S, page = 8, 32, 8, 128, 4096, 64
+    q = _x((B, seqlen_q, Hq, D), rng).to(torch.bfloat16)
+    shape = (B * S // page + 5, page, Hk, D) if paged else (B, S, Hk, D)
+    kc, kd, kf = _cache8(rng, shape, dtype, B, paged)
+    vc, vd, vf = _cache8(rng, shape, dtype, B, paged)
+    block_table = (torch.randperm(shape[0], generator=rng)[:B * S // page].reshape(B, S // page).int().to(CUDA)
+                   if paged else None)
+    seqlens = torch.randint(1, S + 1, (B,), generator=rng, dtype=torch.int32).to(CUDA)
+    sinks = _x((Hq,), rng)
+    o, lse = fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=block_table, k_descale=kd,
+                                         v_descale=vd, causal=True, sinks=sinks, return_lse=True)
+    for b in range(B):
+        n = int(seqlens[b])
+        if paged:
+            pages = block_table[b, :-(-n // page)].long()
+            kb, vb = (c[pages].reshape(-1, Hk, D)[:n] for c in (kf, vf))
+        else:
+            kb, vb = kf[b, :n], vf[b, :n]
+        qb = q[b:b + 1].transpose(1, 2)
+        kb, vb = kb.transpose(0, 1)[None], vb.transpose(0, 1)[None]
+        ref_o, ref_lse = numerics.torch_attention(qb, kb, vb, compute_dtype=torch.float64, causal=True, sinks=sinks)
+        base_o, base_lse = numerics.torch_attention(qb, kb.to(torch.bfloat16), vb.to(torch.bfloat16), causal=True,
+                                                    sinks=sinks)
+        for c in (numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16),
+                  numerics.compare("lse", lse[b:b + 1], ref_lse, base_lse, torch.float32)):
+            assert c.ok, f"batch {b} (seqlen {n}): {c}"
+
+
+def test_fp8_kvcache_append_decode_step(rng):
+    """A decode step that appends the new token into an fp8 cache, then attends to it."""
+    B, Hq, Hk, D, S = 4, 16, 4, 128, 1024
+    kc, kd, _ = _cache8(rng, (B, S, Hk, D), E4M3, B, False)
+    vc, vd, _ = _cache8(rng, (B, S, Hk, D), E4M3, B, False)
+    q = _x((B, 1, Hq, D), rng).to(torch.bfloat16)
+    k_new, v_new = (_x((B, 1, Hk, D), rng, 0.5).to(torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([0, 5, 700, S - 1], dtype=torch.int32, device=CUDA)
+    o = fmha.attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
+    for b, n in enumerate(seqlens.tolist()):
+        got = kc[b, n].double() * kd[b][:, None].double()
+        want = k_new[b, 0].double()
+        assert ((got - want).abs() <= 2.0**-4 * want.abs() + 2.0**-10 * float(kd[b].max())).all()
+    # attention over the updated cache, dequantized, in float64
+    kf, vf = kc.double() * kd[:, None, :, None].double(), vc.double() * vd[:, None, :, None].double()
+    for b, n in enumerate(seqlens.tolist()):
+        kb, vb = kf[b, :n + 1].transpose(0, 1)[None], vf[b, :n + 1].transpose(0, 1)[None]
+        ref_o, _ = numerics.torch_attention(q[b:b + 1].transpose(1, 2), kb, vb, compute_dtype=torch.float64)
+        base_o, _ = numerics.torch_attention(q[b:b + 1].transpose(1, 2), kb.to(torch.bfloat16), vb.to(torch.bfloat16))
+        c = numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16)
+        assert c.ok, f"batch {b}: {c}"

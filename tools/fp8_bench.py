@@ -1,0 +1,131 @@
+"""FP8 forward vs our bf16 forward on a GPU, side by side (contenders alternate each round).
+
+B=4, H=16, S=8192, D=128 and 256, causal and not; TFLOP/s in the FlashAttention
+convention (4 * B * H * S^2 * D, halved for causal), medians of triton's do_bench medians.
+Contenders: fmha bf16, fmha fp8 e4m3 with per-(batch, head) descales, and with --sweep a
+few other fp8 tiles (each through a one-config registry ahead of the default one) so the
+registry's fp8 rows can be tuned from one run. Also checks the fp8 output against bf16,
+and times decode (B=32, Hq=32, Hk=8, S=8192) over a bf16 cache and over an fp8 cache.
+
+    PYTHONPATH=src python tools/fp8_bench.py OUT.json [--rounds 3] [--sweep]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import triton
+
+import fmha
+from fmha.configs import Algorithm, Family, KernelConfig, Signature
+from fmha.problem import DType
+
+FP8 = (DType.FP8_E4M3, DType.FP8_E5M2)
+# (block_m, block_n, warps, stages) candidates per head dim, registry default first.
+SWEEP = {128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4)],
+         256: [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2)]}
+
+
+def dispatcher_with(tile, head_dim: int) -> fmha.Dispatcher:
+    arch = "sm{}{}".format(*torch.cuda.get_device_capability())
+    first = KernelConfig(Signature(Family.FWD, FP8, (arch,), head_dim), Algorithm(*tile))
+    return fmha.Dispatcher(fmha.Registry([first]).merged(fmha.default_registry(), name=f"sweep{tile}"))
+
+
+def main() -> int:
+    args = sys.argv[1:]
+    out = args[0] if args and not args[0].startswith("--") else "fp8_bench.json"
+    rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 3
+    sweep = "--sweep" in args
+    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    print(env)
+    B, H, S = 4, 16, 8192
+    results = []
+    for D in (128, 256):
+        gen = torch.Generator(device="cuda").manual_seed(D)
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
+        (q8, qd), (k8, kd), (v8, vd) = (fmha.quantize_fp8(t, torch.float8_e4m3fn, "head") for t in (q, k, v))
+        for causal in (False, True):
+            flops = 4 * B * H * S * S * D / (2 if causal else 1)
+            runs = {"bf16": (None, lambda: fmha.attention(q, k, v, causal=causal))}
+
+            def fp8_call():
+                return fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=causal)
+            runs["fp8_e4m3"] = (None, fp8_call)
+            if sweep:
+                for tile in SWEEP[D][1:]:
+                    runs[f"fp8_e4m3 m{tile[0]}n{tile[1]}w{tile[2]}s{tile[3]}"] = (dispatcher_with(tile, D), fp8_call)
+            times: dict[str, list[float]] = {}
+            errors: dict[str, str] = {}
+            for _ in range(rounds):
+                for name, (dispatcher, fn) in runs.items():
+                    if name in errors:
+                        continue
+                    fmha.set_dispatcher(dispatcher)
+                    try:
+                        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                        times.setdefault(name, []).append(ms)
+                    except Exception as e:  # a tile that does not fit (shared memory) is reported, not fatal
+                        errors[name] = str(e).splitlines()[0][:200]
+                    finally:
+                        fmha.set_dispatcher(None)
+            ref = runs["bf16"][1]().float()
+            got = fp8_call().float()
+            rel = float((got - ref).norm() / ref.norm())
+            bf16_ms = sorted(times["bf16"])[len(times["bf16"]) // 2]
+            for name in runs:
+                row = dict(B=B, H=H, S=S, D=D, causal=causal, contender=name)
+                if name in errors:
+                    row["error"] = errors[name]
+                else:
+                    ms = sorted(times[name])[len(times[name]) // 2]
+                    row.update(ms=ms, tflops=flops / ms / 1e9, speedup_vs_bf16=bf16_ms / ms,
+                               times_ms=times[name])
+                if name == "fp8_e4m3":
+                    row["rel_l2_diff_vs_bf16_output"] = rel
+                results.append(row)
+                print(f"D={D} causal={causal!s:<5} {name:<28} " + (
+                    f"ERROR {row['error']}" if "error" in row else
+                    f"{row['ms']:7.3f} ms {row['tflops']:7.1f} TFLOP/s  x{row['speedup_vs_bf16']:.2f} vs bf16"))
+            print(f"   fp8 vs bf16 output: relative L2 difference {rel:.4f}")
+            with open(out, "w") as f:
+                json.dump(dict(env=env, results=results), f, indent=2)
+    results.extend(decode(rounds))
+    with open(out, "w") as f:
+        json.dump(dict(env=env, results=results), f, indent=2)
+    return 0
+
+
+def decode(rounds: int) -> list[dict]:
+    """Decode (one query token) over a bf16 cache and over an fp8 e4m3 cache: K+V bytes/s."""
+    rows = []
+    B, Hq, Hk, S, D = 32, 32, 8, 8192, 128
+    q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kd, vd = (c.float().abs().amax(dim=(1, 3)) / 448 for c in (kc, vc))
+    k8, v8 = ((c.float() / d[:, None, :, None]).to(torch.float8_e4m3fn) for c, d in ((kc, kd), (vc, vd)))
+    seqlens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    runs = {"decode bf16 cache": (lambda: fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens), 2),
+            "decode fp8 cache": (lambda: fmha.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens,
+                                                                     k_descale=kd, v_descale=vd), 1)}
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, (fn, _) in runs.items():
+            times.setdefault(name, []).append(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    bf16_ms = sorted(times["decode bf16 cache"])[rounds // 2]
+    diff = float((runs["decode fp8 cache"][0]().float() - runs["decode bf16 cache"][0]().float()).abs().max())
+    for name, (_, elem) in runs.items():
+        ms = sorted(times[name])[rounds // 2]
+        tbs = 2 * B * S * Hk * D * elem / ms / 1e9
+        rows.append(dict(B=B, Hq=Hq, Hk=Hk, S=S, D=D, contender=name, ms=ms, kv_tb_per_s=tbs,
+                         speedup_vs_bf16=bf16_ms / ms, times_ms=times[name], max_abs_diff_fp8_vs_bf16=diff))
+        print(f"{name:<20} {ms * 1e3:8.1f} us {tbs:6.2f} TB/s of K+V  x{bf16_ms / ms:.2f} vs bf16 cache")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
