@@ -1,0 +1,313 @@
+"""Context-parallel ring attention over torch.distributed (`fmha.distributed`).
+
+Each rank of a process group holds one slice of the sequence (queries, keys and values of
+the same tokens). The key/value slices travel around the ring (rank r sends to r+1 and
+receives from r-1) with asynchronous point-to-point transfers while each rank runs fmha's
+forward kernel on the block it holds; the partial results merge through their natural-log
+LSE. The backward runs fmha's dK/dV/dQ kernel per block with the final (merged) LSE, and
+the dK/dV accumulators travel around the ring with the blocks until they are back home.
+
+Causal attention with contiguous slices leaves rank 0 almost idle (it sees one block)
+while the last rank sees all of them. With `zigzag=True` the sequence is cut into
+2 * world equal chunks and rank r holds chunks r and 2*world-1-r (`zigzag_shard`): every
+rank then does the same work at every step.
+
+    o = ring_attention(q_local, k_local, v_local, causal=True, zigzag=True)
+
+Position-dependent features (sliding window, ALiBi, bias, sink tokens, dropout) and
+packed varlen inputs are refused with NotImplementedError; soft-cap and sink logits
+(added once, in the final merge) work.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import validation as V
+from .api import _block_backward, _block_forward
+
+Tensor = torch.Tensor
+
+# NVLink multicast (NVLS) stays off in every process this project starts (see the docs).
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                    "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def disable_nvlink_multicast() -> None:
+    """Set NO_MULTICAST_ENV in this process; call it before init_process_group."""
+    os.environ.update(NO_MULTICAST_ENV)
+
+
+# ----------------------------------------------------------------------------------------
+# Zigzag layout helpers (plain tensor functions, no communication).
+
+
+def _check_zigzag_args(x, world_size: int, dim: int, what: str) -> int:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be an int >= 1")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim} is out of range for a tensor of {x.dim()} dimensions")
+    dim %= x.dim()
+    if x.shape[dim] % (2 * world_size):
+        raise ValueError(f"{what} has length {x.shape[dim]} along dim {dim}, which is not a multiple "
+                         f"of 2 * world_size = {2 * world_size}")
+    return dim
+
+
+def zigzag_shard(x: Tensor, rank: int, world_size: int, *, dim: int = 2) -> Tensor:
+    """Rank `rank`'s zigzag slice of the full sequence `x` along `dim` (a new tensor).
+
+    The sequence is cut into 2 * world_size equal chunks; the slice is chunk `rank`
+    followed by chunk `2 * world_size - 1 - rank`. dim: 2 for bhsd, 1 for bshd.
+    """
+    dim = _check_zigzag_args(x, world_size, dim, "x")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} must be an int in [0, {world_size})")
+    chunks = x.chunk(2 * world_size, dim)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim)
+
+
+def zigzag_unshard(x: Tensor, world_size: int, *, dim: int = 2) -> Tensor:
+    """The full sequence from the ranks' zigzag slices concatenated in rank order along `dim`
+    (e.g. the result of an all_gather): the inverse of `zigzag_shard` over all ranks."""
+    dim = _check_zigzag_args(x, world_size, dim, "x")
+    pieces = x.chunk(2 * world_size, dim)  # rank r's slice is pieces 2r, 2r+1
+    order = [None] * (2 * world_size)
+    for r in range(world_size):
+        order[r] = pieces[2 * r]
+        order[2 * world_size - 1 - r] = pieces[2 * r + 1]
+    return torch.cat(order, dim)
+
+
+# ----------------------------------------------------------------------------------------
+# The ring: one exchange = send to the next rank, receive from the previous one.
+
+
+class _Ring:
+    def __init__(self, group, communicate: bool = True):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.communicate = communicate
+        to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        self.next = to_global((self.rank + 1) % self.world)
+        self.prev = to_global((self.rank - 1) % self.world)
+
+    def start(self, tensors: list[Tensor]) -> tuple[list[Tensor], list]:
+        """Start sending `tensors` (contiguous) to the next rank and receiving the previous
+        rank's into new buffers; returns (buffers, works). `communicate=False` (benchmarks:
+        compute without communication) hands the same tensors back."""
+        if not self.communicate or self.world == 1:
+            return tensors, []
+        recv = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        return recv, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works: list) -> None:
+        for w in works:
+            w.wait()
+
+
+def _blocks(rank: int, src: int, seqlen: int, causal: bool, zigzag: bool):
+    """(query rows, key columns, causal) of the local work against rank `src`'s keys."""
+    full = slice(None)
+    if not causal:
+        return [(full, full, False)]
+    if src == rank:  # the diagonal block: local order is global order in both layouts
+        return [(full, full, True)]
+    if not zigzag:  # contiguous slices: earlier ranks fully visible, later ones not at all
+        return [(full, full, False)] if src < rank else []
+    half = seqlen // 2
+    if src < rank:  # all our rows see src's first chunk, none its second
+        return [(full, slice(0, half), False)]
+    return [(slice(half, None), full, False)]  # only our second chunk sees src, all of it
+
+
+def _seq(t: Tensor, layout: str, sl: slice) -> Tensor:
+    return t[:, :, sl] if layout == "bhsd" else t[:, sl]
+
+
+def _bhsd(t: Tensor, layout: str) -> Tensor:
+    return t if layout == "bhsd" else t.transpose(1, 2)
+
+
+def _merge_into(out: Tensor, lse: Tensor, o_blk: Tensor, lse_blk: Tensor) -> None:
+    """out, lse (fp32, bhsd views) <- the LSE merge of (out, lse) and (o_blk, lse_blk)."""
+    new = torch.logaddexp(lse, lse_blk)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # rows still empty stay 0
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(o_blk * torch.exp(lse_blk - safe).unsqueeze(-1))
+    lse.copy_(new)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, group, layout, scale, causal, zigzag, softcap, communicate):
+        ring = _Ring(group, communicate)
+        kw = dict(layout=layout, scale=scale, softcap=softcap)
+        seqlen = q.shape[2] if layout == "bhsd" else q.shape[1]
+        out = q.new_zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float32)  # q's layout
+        o_blk = torch.empty_like(out)
+        lse = torch.full(_bhsd(q, layout).shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        lse_blk = torch.empty_like(lse)
+        kv = [k.contiguous(), v.contiguous()]
+        for step in range(ring.world):
+            works = []
+            if step + 1 < ring.world:
+                nxt, works = ring.start(kv)
+            src = (ring.rank - step) % ring.world
+            for rows, cols, blk_causal in _blocks(ring.rank, src, seqlen, causal, zigzag):
+                _block_forward(_seq(q, layout, rows), _seq(kv[0], layout, cols), _seq(kv[1], layout, cols),
+                               _seq(o_blk, layout, rows), lse_blk[:, :, rows], causal=blk_causal, **kw)
+                _merge_into(_bhsd(_seq(out, layout, rows), layout), lse[:, :, rows],
+                            _bhsd(_seq(o_blk, layout, rows), layout), lse_blk[:, :, rows])
+            if step + 1 < ring.world:
+                ring.wait(works)
+                kv = nxt
+        if sinks is not None:  # the sink logit joins every row's denominator once
+            final = torch.logaddexp(lse, sinks.float()[None, :, None])
+            _bhsd(out, layout).mul_(torch.exp(lse - final).unsqueeze(-1))
+            lse = final
+        o = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
+        ctx.args = (group, layout, scale, causal, zigzag, softcap, communicate)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, sinks = ctx.saved_tensors
+        group, layout, scale, causal, zigzag, softcap, communicate = ctx.args
+        ring = _Ring(group, communicate)
+        kw = dict(layout=layout, scale=scale, softcap=softcap)
+        seqlen = q.shape[2] if layout == "bhsd" else q.shape[1]
+        do = do.contiguous() if do.stride(-1) != 1 else do
+        delta = (_bhsd(do, layout).float() * _bhsd(o, layout).float()).sum(-1)  # (B, Hq, S)
+        if dlse is not None:  # d lse / d s_ij = p_ij: it enters like -delta (SPEC section 2)
+            delta = delta - dlse
+        dsinks = None
+        if sinks is not None:  # d lse / d sink = p_sink; this rank's rows only
+            dsinks = -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum(dim=(0, 2)).to(sinks.dtype)
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = [k.contiguous(), v.contiguous()]
+        acc, acc_works = None, []
+        for step in range(ring.world):
+            works = []
+            if step + 1 < ring.world:
+                nxt, works = ring.start(kv)
+            src = (ring.rank - step) % ring.world
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            for rows, cols, blk_causal in _blocks(ring.rank, src, seqlen, causal, zigzag):
+                _block_backward(_seq(q, layout, rows), _seq(kv[0], layout, cols), _seq(kv[1], layout, cols),
+                                _seq(do, layout, rows), lse[:, :, rows], delta[:, :, rows],
+                                _seq(dq_acc, layout, rows), _seq(dk, layout, cols), _seq(dv, layout, cols),
+                                causal=blk_causal, **kw)
+            if acc is not None:  # the accumulators of this block from the ranks before us
+                ring.wait(acc_works)
+                dk.add_(acc[0])
+                dv.add_(acc[1])
+            # Send them on to the next rank; after the last step they reach their owner.
+            acc, acc_works = ring.start([dk, dv])
+            if step + 1 < ring.world:
+                ring.wait(works)
+                kv = nxt
+        ring.wait(acc_works)
+        dq = (dq_acc * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)).to(q.dtype)
+        return (dq, acc[0].to(k.dtype), acc[1].to(v.dtype), dsinks) + (None,) * 7
+
+
+def _not_implemented(name: str, value, why: str):
+    raise NotImplementedError(f"ring_attention does not support {name}={value!r}: {why}")
+
+
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None, *,
+    layout: str = "bhsd", scale: float | None = None, causal: bool = False, zigzag: bool = False,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks: Tensor | None = None,
+    alibi_slopes: Tensor | None = None, bias: Tensor | None = None, sink_size: int = 0,
+    dropout_p: float = 0.0, return_lse: bool = False,
+):
+    """Attention over a sequence split across the ranks of `group`, differentiable.
+
+    Args:
+        q: this rank's slice, (B, Hq, S, Dqk) for layout "bhsd" or (B, S, Hq, Dqk) for
+            "bshd"; fp16/bf16/fp32. Every rank passes the same shapes.
+        k, v: the same tokens' keys and values, (B, Hk, S, D) or (B, S, Hk, D); Hq must be
+            a multiple of Hk (GQA/MQA).
+        group: the ring (default: the whole world); ranks in group order hold consecutive
+            slices (zigzag=False) or zigzag slices (zigzag=True, see `zigzag_shard`).
+        scale, softcap: as in `fmha.attention`. causal: causal over the global sequence.
+        zigzag: the slices are in zigzag order (rank r: chunks r and 2W-1-r of 2W); S must
+            be even. Balances causal work; also valid (and irrelevant) without causal.
+        sinks: fp32 (Hq,) sink logits, added once to the merged denominator. Its gradient
+            is this rank's share: reduce it over the group as for any replicated weight.
+        window, alibi_slopes, bias, sink_size, dropout_p: refused (NotImplementedError)
+            unless at their defaults: they depend on absolute positions (window=(-1, 0)
+            is causal=True and is accepted as such).
+        return_lse: also return lse (B, Hq, S) fp32 of this rank's rows (differentiable).
+
+    Returns: o in q's layout and dtype (this rank's rows), then lse if asked for.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() == 3:
+            _not_implemented(f"{name} of shape", tuple(t.shape),
+                             "packed varlen inputs (total, H, D) are not implemented; pass dense "
+                             "(B, H, S, D) or (B, S, H, D) slices")
+        V.check_tensor(name, t, 4)
+    layout = V.check_layout(layout)
+    V.check_dtype("q", q)
+    V.check_same(("q", "k", "v"), (q, k, v))
+    left, right = V.check_scalars(scale=scale, softcap=softcap, window=window, sink_size=sink_size,
+                                  dropout_p=dropout_p, causal=causal)
+    if (left, right) == (-1, 0):
+        causal = True
+    elif (left, right) != (-1, -1):
+        _not_implemented("window", tuple(window), "a sliding window needs each block's absolute position, "
+                         "which fmha's kernels do not take; only (-1, -1) and (-1, 0) (causal)")
+    for name, value, given in (("alibi_slopes", alibi_slopes, alibi_slopes is not None),
+                               ("bias", bias, bias is not None), ("sink_size", sink_size, sink_size != 0),
+                               ("dropout_p", dropout_p, dropout_p != 0)):
+        if given:
+            shown = f"<tensor of shape {tuple(value.shape)}>" if isinstance(value, Tensor) else value
+            _not_implemented(name, shown, "it depends on absolute token positions, which the per-block "
+                             "kernels do not see")
+    if not isinstance(zigzag, bool):
+        raise TypeError(f"zigzag={zigzag!r} must be a bool")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse={return_lse!r} must be a bool")
+    for name, t in (("k", k), ("v", v), ("sinks", sinks)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all tensors must be on one device")
+    qv, kv, vv = (_bhsd(t, layout) for t in (q, k, v))
+    for name, t in (("k", kv), ("v", vv)):
+        if t.shape[0] != qv.shape[0] or t.shape[2] != qv.shape[2]:
+            raise ValueError(f"{name} has batch {t.shape[0]} and seqlen {t.shape[2]} but q has batch "
+                             f"{qv.shape[0]} and seqlen {qv.shape[2]}; ring attention is self-attention "
+                             "over the same tokens, the local slices must match")
+    V.check_heads(qv.shape[1], kv.shape[1], vv.shape[1])
+    if kv.shape[-1] != qv.shape[-1]:
+        raise ValueError(f"k has head dim {kv.shape[-1]} but q has {qv.shape[-1]}; they must match")
+    V.check_sinks(sinks, qv.shape[1], q.device, q.dtype)
+    if zigzag and qv.shape[2] % 2:
+        raise ValueError(f"zigzag=True needs an even local seqlen (two equal chunks), got {qv.shape[2]}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ring_attention needs torch.distributed initialised "
+                           "(torch.distributed.init_process_group)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        V.check_last_dim_contiguous(name, t)
+    o, lse = _RingAttention.apply(q, k, v, sinks, group, layout, None if scale is None else float(scale),
+                                  causal, zigzag, float(softcap), True)
+    return (o, lse) if return_lse else o
+
+
+__all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard", "disable_nvlink_multicast",
+           "NO_MULTICAST_ENV"]

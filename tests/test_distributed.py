@@ -1,0 +1,119 @@
+"""Ring attention (fmha.distributed) on CPU process groups: 2 and 4 gloo processes.
+
+Each rank runs the interpreted kernels on its slice; the gathered output, LSE and
+gradients must be as close to the float64 truth as single-device `fmha.attention` on
+the full sequence (the 2x rule of fmha.numerics). One spawn per world size runs all of
+its cases (process start-up dominates at these sizes).
+"""
+
+import secrets
+
+import pytest
+import torch
+
+from fmha.distributed import ring_attention, zigzag_shard, zigzag_unshard
+
+from ring_testing import compare, single_device, spawn, torch64
+
+
+def case(world, dtype, layout="bhsd", *, causal=True, zigzag=True, nhead_q=2, nhead_k=1, head_dim=16,
+         seqlen=64, batch=1, softcap=0.0, sinks=False, dlse=False):
+    return dict(world=world, dtype=dtype, layout=layout, causal=causal, zigzag=zigzag, nhead_q=nhead_q,
+                nhead_k=nhead_k, head_dim=head_dim, seqlen=seqlen, batch=batch, softcap=softcap,
+                sinks=sinks, dlse=dlse)
+
+
+CASES = {
+    2: {
+        "causal_zigzag_gqa_fp32": case(2, "float32", nhead_q=4, nhead_k=2),
+        "causal_zigzag_fp16_bshd_softcap": case(2, "float16", "bshd", nhead_k=2, head_dim=32, softcap=4.0),
+        "full_gqa_sinks_dlse_fp32": case(2, "float32", causal=False, zigzag=False, batch=2, sinks=True,
+                                         dlse=True),
+        "causal_contiguous_fp16": case(2, "float16", zigzag=False, head_dim=24),
+    },
+    4: {
+        "causal_zigzag_gqa_sinks_softcap_fp32_bshd": case(4, "float32", "bshd", nhead_q=4, nhead_k=2,
+                                                          softcap=3.0, sinks=True),
+        "full_zigzag_fp16_dlse": case(4, "float16", causal=False, head_dim=24, dlse=True),
+        "causal_contiguous_fp32": case(4, "float32", zigzag=False, head_dim=32),
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """world -> (seed, {name: comparisons}), each world spawned once."""
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            seed = secrets.randbits(30)
+            names, cases = list(CASES[world]), list(CASES[world].values())
+            outdir = tmp_path_factory.mktemp(f"ring{world}")
+            gathered = spawn(world, cases, seed, str(outdir))
+            cache[world] = (seed, {
+                name: compare(c, ring, torch64(c, seed + i), single_device(c, seed + i))
+                for i, (name, c, ring) in enumerate(zip(names, cases, gathered, strict=True))})
+        return cache[world]
+    return get
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w, cases in CASES.items() for n in cases])
+def test_ring_matches_single_device(results, world, name):
+    seed, comparisons = results(world)
+    print(f"seed={seed}")
+    for c in comparisons[name]:
+        print(c)
+    bad = [str(c) for c in comparisons[name] if not c.ok]
+    assert not bad, f"{name} (seed {seed}): " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("world,dim", [(1, 2), (2, 2), (3, 1), (4, -2)])
+def test_zigzag_shard_unshard_round_trip(world, dim):
+    x = torch.randn(2, 3, 8 * world, 5)
+    x = x if dim in (2, -2) else x.transpose(1, 2).contiguous()
+    parts = [zigzag_shard(x, r, world, dim=dim) for r in range(world)]
+    chunk = x.shape[dim] // (2 * world)
+    # rank 0 holds the first and the last chunk
+    assert torch.equal(parts[0].narrow(dim, 0, chunk), x.narrow(dim, 0, chunk))
+    assert torch.equal(parts[0].narrow(dim, chunk, chunk), x.narrow(dim, x.shape[dim] - chunk, chunk))
+    assert torch.equal(zigzag_unshard(torch.cat(parts, dim), world, dim=dim), x)
+
+
+def test_zigzag_shard_refuses_uneven_lengths():
+    with pytest.raises(ValueError, match="multiple of 2 \\* world_size = 4"):
+        zigzag_shard(torch.randn(1, 1, 6, 4), 0, 2)
+    with pytest.raises(ValueError, match="rank=2"):
+        zigzag_shard(torch.randn(1, 1, 8, 4), 2, 2)
+
+
+def _qkv(seqlen=8, dtype=torch.float32):
+    return [torch.randn(1, 2, seqlen, 16, dtype=dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(window=(4, 0)), "window=\\(4, 0\\)"),
+    (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
+    (dict(bias=torch.zeros(1, 2, 8, 8)), "bias"),
+    (dict(sink_size=2), "sink_size=2"),
+    (dict(dropout_p=0.1), "dropout_p=0.1"),
+])
+def test_position_dependent_features_are_refused(kwargs, match):
+    with pytest.raises(NotImplementedError, match=match):
+        ring_attention(*_qkv(), **kwargs)
+
+
+def test_varlen_inputs_are_refused():
+    q = torch.randn(16, 2, 16)
+    with pytest.raises(NotImplementedError, match="varlen"):
+        ring_attention(q, q, q)
+
+
+def test_bad_inputs_are_refused_before_any_communication():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="k has batch 1 and seqlen 6"):
+        ring_attention(q, k[:, :, :6], v)
+    with pytest.raises(ValueError, match="even local seqlen"):
+        ring_attention(q[:, :, :7], k[:, :, :7], v[:, :, :7], zigzag=True)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ring_attention(q, k, v)
