@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -86,14 +87,26 @@ def _worker(rank: int, world: int, backend: str, init: str, cases, seed: int, ou
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
+    timing = os.environ.get("FMHA_RING_TIMING")
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
         for i, case in enumerate(cases):
+            t0 = time.perf_counter()
             torch.save(run_rank(case, seed + i, rank, world, device), os.path.join(outdir, f"{i}_{rank}.pt"))
+            if timing:
+                print(f"rank {rank} case {i}: ring {time.perf_counter() - t0:.2f} s", flush=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # The single-device baselines, shared out over the ranks (they run in parallel).
+    for i, case in enumerate(cases):
+        if i % world == rank:
+            t0 = time.perf_counter()
+            result = single_device(case, seed + i, device)
+            torch.save({key: t.cpu() for key, t in result.items()}, os.path.join(outdir, f"{i}_single.pt"))
+            if timing:
+                print(f"rank {rank} case {i}: single device {time.perf_counter() - t0:.2f} s", flush=True)
 
 
 def free_port() -> int:
@@ -102,8 +115,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(world: int, cases, seed: int, outdir: str, backend: str = "gloo") -> list[dict]:
-    """Run every case on `world` processes; returns, per case, the gathered full results."""
+def spawn(world: int, cases, seed: int, outdir: str, backend: str = "gloo") -> list[tuple[dict, dict]]:
+    """Run every case on `world` processes; returns, per case, (the ring's gathered full
+    results, single-device fmha.attention's results on the full sequence)."""
     init = f"tcp://127.0.0.1:{free_port()}"
     mp.spawn(_worker, args=(world, backend, init, cases, seed, outdir), nprocs=world, join=True)
     gathered = []
@@ -115,7 +129,7 @@ def spawn(world: int, cases, seed: int, outdir: str, backend: str = "gloo") -> l
                 full[key] = sum(p[key] for p in parts)
             else:
                 full[key] = unshard([p[key] for p in parts], case, 2 if key == "lse" else seq_dim(case))
-        gathered.append(full)
+        gathered.append((full, torch.load(os.path.join(outdir, f"{i}_single.pt"))))
     return gathered
 
 
