@@ -81,7 +81,8 @@ def run_rank(case, seed: int, rank: int, world: int, device) -> dict:
     return {key: t.cpu() for key, t in result.items()}
 
 
-def _worker(rank: int, world: int, backend: str, init: str, cases, seed: int, outdir: str):
+def _worker(rank: int, world: int, backend: str, init: str, cases, seed: int, outdir: str,
+            truth_dtype: str | None):
     disable_nvlink_multicast()  # before init_process_group: NVLink multicast stays off
     device = torch.device("cpu")
     if backend == "nccl":
@@ -105,6 +106,9 @@ def _worker(rank: int, world: int, backend: str, init: str, cases, seed: int, ou
             t0 = time.perf_counter()
             result = single_device(case, seed + i, device)
             torch.save({key: t.cpu() for key, t in result.items()}, os.path.join(outdir, f"{i}_single.pt"))
+            if truth_dtype is not None:
+                result = single_device(case, seed + i, device, getattr(torch, truth_dtype))
+                torch.save({key: t.cpu() for key, t in result.items()}, os.path.join(outdir, f"{i}_truth.pt"))
             if timing:
                 print(f"rank {rank} case {i}: single device {time.perf_counter() - t0:.2f} s", flush=True)
 
@@ -115,11 +119,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(world: int, cases, seed: int, outdir: str, backend: str = "gloo") -> list[tuple[dict, dict]]:
+def spawn(world: int, cases, seed: int, outdir: str, backend: str = "gloo",
+          truth_dtype: str | None = None) -> list[tuple]:
     """Run every case on `world` processes; returns, per case, (the ring's gathered full
-    results, single-device fmha.attention's results on the full sequence)."""
+    results, single-device fmha.attention's results on the full sequence), and with
+    `truth_dtype` a third: single-device fmha.attention on the inputs cast to that dtype."""
+    disable_nvlink_multicast()  # inherited by the children too
     init = f"tcp://127.0.0.1:{free_port()}"
-    mp.spawn(_worker, args=(world, backend, init, cases, seed, outdir), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, backend, init, cases, seed, outdir, truth_dtype), nprocs=world, join=True)
     gathered = []
     for i, case in enumerate(cases):
         parts = [torch.load(os.path.join(outdir, f"{i}_{r}.pt")) for r in range(world)]
@@ -129,7 +136,11 @@ def spawn(world: int, cases, seed: int, outdir: str, backend: str = "gloo") -> l
                 full[key] = sum(p[key] for p in parts)
             else:
                 full[key] = unshard([p[key] for p in parts], case, 2 if key == "lse" else seq_dim(case))
-        gathered.append((full, torch.load(os.path.join(outdir, f"{i}_single.pt"))))
+        single = torch.load(os.path.join(outdir, f"{i}_single.pt"))
+        if truth_dtype is None:
+            gathered.append((full, single))
+        else:
+            gathered.append((full, single, torch.load(os.path.join(outdir, f"{i}_truth.pt"))))
     return gathered
 
 

@@ -115,3 +115,9 @@ def test_bad_inputs_are_refused_before_any_communication():
         ring_attention(q[:, :, :7], k[:, :, :7], v[:, :, :7], zigzag=True)
     with pytest.raises(RuntimeError, match="init_process_group"):
         ring_attention(q, k, v)
+
+
+def test_fmha_distributed_is_importable_as_an_attribute():
+    import fmha
+
+    assert fmha.distributed.ring_attention is ring_attention

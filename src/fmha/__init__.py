@@ -31,3 +31,12 @@ __all__ = [
     "Dispatcher", "NoKernelError", "Plan", "DType", "Feature", "MaskAlign", "Problem", "Registry",
     "default_registry", "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # `fmha.distributed` (ring attention over torch.distributed) is imported on first use.
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
