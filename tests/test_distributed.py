@@ -117,6 +117,31 @@ def test_bad_inputs_are_refused_before_any_communication():
         ring_attention(q, k, v)
 
 
+def test_one_rank_ring_is_plain_attention(tmp_path):
+    """world_size 1 (no communication): the ring reduces to fmha.attention, forward and backward."""
+    import torch.distributed as dist
+
+    import fmha
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(secrets.randbits(30))
+        q, k, v = (torch.randn(1, 16, h, 16, generator=g) for h in (4, 2, 2))
+        sinks, do = torch.randn(4, generator=g), torch.randn(1, 16, 4, 16, generator=g)
+        kw = dict(layout="bshd", causal=True, softcap=5.0)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        o = ring_attention(*leaves[:3], sinks=leaves[3], zigzag=True, **kw)
+        grads = torch.autograd.grad(o, leaves, do)
+        ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        ref = fmha.attention(*ref_leaves[:3], sinks=ref_leaves[3], **kw)
+        ref_grads = torch.autograd.grad(ref, ref_leaves, do)
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
+    for name, ours, theirs in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_fmha_distributed_is_importable_as_an_attribute():
     import fmha
 
