@@ -3,7 +3,7 @@ run `fmha.distributed.ring_attention` on each rank's slice, gather the results, 
 them against single-device `fmha.attention` on the full sequence (2x rule).
 
 A case is a dict: world, dtype (name), layout, batch, nhead_q, nhead_k, seqlen (total),
-head_dim, causal, zigzag, softcap, sinks (bool), dlse (bool: return_lse with a random
+head_dim, causal, zigzag, window (optional), softcap, sinks (bool), dlse (bool: return_lse with a random
 upstream gradient for it). Inputs are drawn from `seed` on the CPU, so every process and
 the checker see the same full tensors.
 """
@@ -69,7 +69,8 @@ def run_rank(case, seed: int, rank: int, world: int, device) -> dict:
     ql, kl, vl, dol = (shard(t, case, rank, world, d).requires_grad_(t is not do) for t in (q, k, v, do))
     sl = None if sinks is None else sinks.clone().requires_grad_()
     o, lse = ring_attention(ql, kl, vl, layout=case["layout"], causal=case["causal"], zigzag=case["zigzag"],
-                            softcap=case.get("softcap", 0.0), sinks=sl, return_lse=True)
+                            window=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0), sinks=sl,
+                            return_lse=True)
     outs, grads_out = [o], [dol]
     if dlse is not None:
         outs.append(lse)
@@ -152,7 +153,8 @@ def single_device(case, seed: int, device="cpu", dtype=None) -> dict:
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     sinks = None if sinks is None else sinks.requires_grad_()
     o, lse = fmha.attention(q, k, v, layout=case["layout"], causal=case["causal"],
-                            softcap=case.get("softcap", 0.0), sinks=sinks, return_lse=True)
+                            window=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0), sinks=sinks,
+                            return_lse=True)
     outs, grads_out = ([o, lse], [do, dlse]) if dlse is not None else ([o], [do])
     inputs = [q, k, v] + ([sinks] if sinks is not None else [])
     result = {"o": o.detach(), "lse": lse.detach()}
@@ -169,7 +171,8 @@ def torch64(case, seed: int) -> dict:
     sinks = None if sinks is None else sinks.double().requires_grad_()
     tr = (lambda t: t.transpose(1, 2)) if bshd else (lambda t: t)
     o, lse = numerics.torch_attention(tr(q), tr(k), tr(v), compute_dtype=torch.float64, causal=case["causal"],
-                                      softcap=case.get("softcap", 0.0), sinks=sinks)
+                                      window=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0),
+                                      sinks=sinks)
     o = tr(o)
     outs, grads_out = ([o, lse], [do, dlse.double()]) if dlse is not None else ([o], [do])
     inputs = [q, k, v] + ([sinks] if sinks is not None else [])

@@ -16,19 +16,21 @@ from fmha.distributed import ring_attention, zigzag_shard, zigzag_unshard
 from ring_testing import compare, spawn, torch64
 
 
-def case(world, dtype, layout="bhsd", *, causal=True, zigzag=True, nhead_q=2, nhead_k=1, head_dim=16,
-         seqlen=64, batch=1, softcap=0.0, sinks=False, dlse=False):
-    return dict(world=world, dtype=dtype, layout=layout, causal=causal, zigzag=zigzag, nhead_q=nhead_q,
-                nhead_k=nhead_k, head_dim=head_dim, seqlen=seqlen, batch=batch, softcap=softcap,
-                sinks=sinks, dlse=dlse)
+def case(world, dtype, layout="bhsd", *, causal=True, zigzag=True, window=(-1, -1), nhead_q=2, nhead_k=1,
+         head_dim=16, seqlen=64, batch=1, softcap=0.0, sinks=False, dlse=False):
+    return dict(world=world, dtype=dtype, layout=layout, causal=causal, zigzag=zigzag, window=window,
+                nhead_q=nhead_q, nhead_k=nhead_k, head_dim=head_dim, seqlen=seqlen, batch=batch,
+                softcap=softcap, sinks=sinks, dlse=dlse)
 
 
 CASES = {
     2: {
         "causal_zigzag_gqa_fp32": case(2, "float32", nhead_q=4, nhead_k=2),
-        "causal_zigzag_fp16_bshd_softcap": case(2, "float16", "bshd", nhead_k=2, head_dim=32, softcap=4.0),
+        "causal_window_zigzag_fp16_bshd_softcap": case(2, "float16", "bshd", window=(13, 0), nhead_k=2,
+                                                       head_dim=32, softcap=4.0),
         "full_gqa_sinks_dlse_fp32": case(2, "float32", causal=False, zigzag=False, batch=2, sinks=True,
                                          dlse=True),
+        "two_sided_window_zigzag_fp32": case(2, "float32", causal=False, window=(9, 5)),
     },
     4: {
         "causal_zigzag_gqa_sinks_softcap_fp32_bshd": case(4, "float32", "bshd", nhead_q=4, nhead_k=2,
@@ -89,15 +91,41 @@ def _qkv(seqlen=8, dtype=torch.float32):
     return [torch.randn(1, 2, seqlen, 16, dtype=dtype) for _ in range(3)]
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (0, 0), (5, 0), (3, 2), (-1, 4), (9, -1), (20, 7)])
+@pytest.mark.parametrize("world,zigzag", [(1, False), (2, True), (3, False), (4, True)])
+def test_block_plan_covers_the_global_mask_exactly(world, zigzag, window):
+    """Every visible (row, column) pair of the global mask is computed once, and nothing else."""
+    import numpy as np
+
+    from fmha import reference
+    from fmha.distributed import _blocks
+
+    seqlen = 8  # per rank
+    total = seqlen * world
+    truth = reference.visible_mask(total, total, window=window)
+    positions = [zigzag_shard(torch.arange(total), r, world, dim=0) if zigzag else
+                 torch.arange(r * seqlen, (r + 1) * seqlen) for r in range(world)]
+    for rank in range(world):
+        for src in range(world):
+            covered = np.zeros((seqlen, seqlen), dtype=int)
+            for rows, cols, (left, right) in _blocks(rank, src, world, seqlen, window, zigzag):
+                sub = reference.visible_mask(len(range(seqlen)[rows]), len(range(seqlen)[cols]),
+                                             window=(left, right), mask_align="top_left")
+                covered[rows, cols] += sub
+            qpos, kpos = positions[rank].numpy(), positions[src].numpy()
+            np.testing.assert_array_equal(covered, truth[np.ix_(qpos, kpos)].astype(int),
+                                          err_msg=f"rank {rank} src {src}")
+
+
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(window=(4, 0)), "window=\\(4, 0\\)"),
+    (dict(causal=True, window=(4, 2)), "causal=True fixes the window's right edge"),
     (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
     (dict(bias=torch.zeros(1, 2, 8, 8)), "bias"),
     (dict(sink_size=2), "sink_size=2"),
     (dict(dropout_p=0.1), "dropout_p=0.1"),
 ])
 def test_position_dependent_features_are_refused(kwargs, match):
-    with pytest.raises(NotImplementedError, match=match):
+    with pytest.raises(ValueError if "window" in kwargs else NotImplementedError, match=match):
         ring_attention(*_qkv(), **kwargs)
 
 

@@ -370,21 +370,22 @@ def _plan_backward(problem: Problem) -> Plan:
 
 # ----------------------------------------------------------------------------------------
 # Building blocks for fmha.distributed (ring attention): the kernels on one block of keys,
-# into caller-owned (fp32) buffers, no autograd. Position-free features only: causal on
-# the block diagonal (equal q/k lengths), soft-cap, GQA.
+# into caller-owned (fp32) buffers, no autograd. The caller maps global positions onto the
+# block's top-left window; soft-cap and GQA as usual.
 
 
-def _block_prepare(q, k, v, layout, scale, causal, softcap) -> _Prepared:
-    return _prepare(q, k, v, None, None, None, None, None, None, 0, 0, layout, scale, causal,
-                    -1, 0 if causal else -1, "bottom_right", 0, softcap, 0.0, 0, 0, False)
+def _block_prepare(q, k, v, layout, scale, window, softcap) -> _Prepared:
+    """The block's mask is `window` aligned top-left (row i sees i - left .. i + right)."""
+    return _prepare(q, k, v, None, None, None, None, None, None, 0, 0, layout, scale, False,
+                    window[0], window[1], "top_left", 0, softcap, 0.0, 0, 0, False)
 
 
-def _block_forward(q, k, v, o, lse, *, layout, scale, causal, softcap) -> None:
+def _block_forward(q, k, v, o, lse, *, layout, scale, window, softcap) -> None:
     """o (q's layout, any float dtype) and lse (B, Hq, Sq) of q over this block of keys.
 
     Every tensor may be a strided view (a slice along the sequence); nothing is copied.
     """
-    prep = _block_prepare(q, k, v, layout, scale, causal, softcap)
+    prep = _block_prepare(q, k, v, layout, scale, window, softcap)
     config = _plan_forward(prep.problem, False).config(Family.FWD)
     kernels = family_module("fwd", interpreted=q.device.type == "cpu")
     with _device_guard(q):
@@ -392,7 +393,7 @@ def _block_forward(q, k, v, o, lse, *, layout, scale, causal, softcap) -> None:
                        **_kernel_args(prep, None, None, None, None, None, 0, 0), **_algo(config))
 
 
-def _block_backward(q, k, v, do, lse, delta, dq_acc, dk, dv, *, layout, scale, causal,
+def _block_backward(q, k, v, do, lse, delta, dq_acc, dk, dv, *, layout, scale, window,
                     softcap) -> None:
     """Gradients of one block of keys, given the rows' final (merged) lse and delta.
 
@@ -400,7 +401,7 @@ def _block_backward(q, k, v, do, lse, delta, dq_acc, dk, dv, *, layout, scale, c
     layout, fp32 for accumulation) are overwritten; the unscaled dQ is added into the fp32
     dq_acc (q's layout) with atomics: the caller multiplies by the scale once at the end.
     """
-    prep = _block_prepare(q, k, v, layout, scale, causal, softcap)
+    prep = _block_prepare(q, k, v, layout, scale, window, softcap)
     config = _plan_backward(prep.problem).config(Family.BWD_DQ_DK_DV)
     kernels = family_module("bwd", interpreted=q.device.type == "cpu")
     with _device_guard(q):

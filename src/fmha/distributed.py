@@ -14,7 +14,8 @@ rank then does the same work at every step.
 
     o = ring_attention(q_local, k_local, v_local, causal=True, zigzag=True)
 
-Position-dependent features (sliding window, ALiBi, bias, sink tokens, dropout) and
+Sliding windows work: each (query chunk, key chunk) pair is trimmed so that the global
+window becomes a top-left window of the block. ALiBi, bias, sink tokens, dropout and
 packed varlen inputs are refused with NotImplementedError; soft-cap and sink logits
 (added once, in the final merge) work.
 """
@@ -116,19 +117,63 @@ class _Ring:
             w.wait()
 
 
-def _blocks(rank: int, src: int, seqlen: int, causal: bool, zigzag: bool):
-    """(query rows, key columns, causal) of the local work against rank `src`'s keys."""
+_FULL, _CAUSAL = (-1, -1), (-1, 0)
+
+
+def _blocks(rank: int, src: int, world: int, seqlen: int, window: tuple[int, int], zigzag: bool):
+    """(query rows, key columns, top-left window) of the local work against rank `src`'s keys.
+
+    `window` is the global mask (left, right), causal = (-1, 0). Plain and causal masks
+    use whole slices (few launches); other windows go chunk by chunk (`_window_blocks`).
+    """
     full = slice(None)
-    if not causal:
-        return [(full, full, False)]
+    if window == _FULL:
+        return [(full, full, _FULL)]
+    if window != _CAUSAL:
+        return _window_blocks(rank, src, world, seqlen, window, zigzag)
     if src == rank:  # the diagonal block: local order is global order in both layouts
-        return [(full, full, True)]
+        return [(full, full, _CAUSAL)]
     if not zigzag:  # contiguous slices: earlier ranks fully visible, later ones not at all
-        return [(full, full, False)] if src < rank else []
+        return [(full, full, _FULL)] if src < rank else []
     half = seqlen // 2
     if src < rank:  # all our rows see src's first chunk, none its second
-        return [(full, slice(0, half), False)]
-    return [(slice(half, None), full, False)]  # only our second chunk sees src, all of it
+        return [(full, slice(0, half), _FULL)]
+    return [(slice(half, None), full, _FULL)]  # only our second chunk sees src, all of it
+
+
+def _chunks(rank: int, world: int, seqlen: int, zigzag: bool) -> list[tuple[int, int, int]]:
+    """(local start, global start, length) of the chunks of a rank's slice."""
+    if zigzag:
+        c = seqlen // 2
+        return [(0, rank * c, c), (c, (2 * world - 1 - rank) * c, c)]
+    return [(0, rank * seqlen, seqlen)]
+
+
+def _window_blocks(rank: int, src: int, world: int, seqlen: int, window: tuple[int, int], zigzag: bool):
+    """A global window on each (query chunk, key chunk) pair, as a top-left window.
+
+    Row i and column j of a pair are global rows qs + i and columns ks + j, so the global
+    window (left, right) is `i + d - left <= j <= i + d + right` with d = qs - ks. The
+    kernels only know d = 0, so the pair is trimmed instead: the first `a` columns (left
+    of every row's window) and the first `b` rows (which see nothing) are dropped, which
+    moves the diagonal to e = d - a + b, and the block runs with the window
+    (left - e, right + e). a and b are chosen so that both stay >= 0 when bounded; the
+    trimmed block then always has a visible pair, at its top-left corner.
+    """
+    left, right = window
+    blocks = []
+    for qlo, qs, lq in _chunks(rank, world, seqlen, zigzag):
+        for klo, ks, lk in _chunks(src, world, seqlen, zigzag):
+            d = qs - ks
+            a = max(0, d - left) if left >= 0 else 0
+            b = max(0, -(right + d - a)) if right >= 0 else 0
+            nq, nk, e = lq - b, lk - a, d - a + b
+            if nq <= 0 or nk <= 0:
+                continue
+            bl = left - e if left >= 0 and nq - 1 > left - e else -1  # -1: never binding
+            br = right + e if right >= 0 and right + e < nk - 1 else -1
+            blocks.append((slice(qlo + b, qlo + lq), slice(klo + a, klo + lk), (bl, br)))
+    return blocks
 
 
 def _seq(t: Tensor, layout: str, sl: slice) -> Tensor:
@@ -149,7 +194,7 @@ def _merge_into(out: Tensor, lse: Tensor, o_blk: Tensor, lse_blk: Tensor) -> Non
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, group, layout, scale, causal, zigzag, softcap, communicate):
+    def forward(ctx, q, k, v, sinks, group, layout, scale, window, zigzag, softcap, communicate):
         ring = _Ring(group, communicate)
         kw = dict(layout=layout, scale=scale, softcap=softcap)
         seqlen = q.shape[2] if layout == "bhsd" else q.shape[1]
@@ -163,9 +208,9 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < ring.world:
                 nxt, works = ring.start(kv)
             src = (ring.rank - step) % ring.world
-            for rows, cols, blk_causal in _blocks(ring.rank, src, seqlen, causal, zigzag):
+            for rows, cols, blk_window in _blocks(ring.rank, src, ring.world, seqlen, window, zigzag):
                 _block_forward(_seq(q, layout, rows), _seq(kv[0], layout, cols), _seq(kv[1], layout, cols),
-                               _seq(o_blk, layout, rows), lse_blk[:, :, rows], causal=blk_causal, **kw)
+                               _seq(o_blk, layout, rows), lse_blk[:, :, rows], window=blk_window, **kw)
                 _merge_into(_bhsd(_seq(out, layout, rows), layout), lse[:, :, rows],
                             _bhsd(_seq(o_blk, layout, rows), layout), lse_blk[:, :, rows])
             if step + 1 < ring.world:
@@ -177,13 +222,13 @@ class _RingAttention(torch.autograd.Function):
             lse = final
         o = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse, sinks)
-        ctx.args = (group, layout, scale, causal, zigzag, softcap, communicate)
+        ctx.args = (group, layout, scale, window, zigzag, softcap, communicate)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse, sinks = ctx.saved_tensors
-        group, layout, scale, causal, zigzag, softcap, communicate = ctx.args
+        group, layout, scale, window, zigzag, softcap, communicate = ctx.args
         ring = _Ring(group, communicate)
         kw = dict(layout=layout, scale=scale, softcap=softcap)
         seqlen = q.shape[2] if layout == "bhsd" else q.shape[1]
@@ -204,11 +249,20 @@ class _RingAttention(torch.autograd.Function):
             src = (ring.rank - step) % ring.world
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-            for rows, cols, blk_causal in _blocks(ring.rank, src, seqlen, causal, zigzag):
+            written = []  # key ranges whose dk/dv this step already holds
+            for rows, cols, blk_window in _blocks(ring.rank, src, ring.world, seqlen, window, zigzag):
+                span = range(seqlen)[cols]
+                dk_out, dv_out = _seq(dk, layout, cols), _seq(dv, layout, cols)
+                shared = any(span.start < stop and start < span.stop for start, stop in written)
+                if shared:  # the kernel overwrites its block's dk/dv: add through a temporary
+                    dk_out, dv_out = torch.empty_like(dk_out), torch.empty_like(dv_out)
                 _block_backward(_seq(q, layout, rows), _seq(kv[0], layout, cols), _seq(kv[1], layout, cols),
                                 _seq(do, layout, rows), lse[:, :, rows], delta[:, :, rows],
-                                _seq(dq_acc, layout, rows), _seq(dk, layout, cols), _seq(dv, layout, cols),
-                                causal=blk_causal, **kw)
+                                _seq(dq_acc, layout, rows), dk_out, dv_out, window=blk_window, **kw)
+                if shared:
+                    _seq(dk, layout, cols).add_(dk_out)
+                    _seq(dv, layout, cols).add_(dv_out)
+                written.append((span.start, span.stop))
             if acc is not None:  # the accumulators of this block from the ranks before us
                 ring.wait(acc_works)
                 dk.add_(acc[0])
@@ -243,14 +297,15 @@ def ring_attention(
             a multiple of Hk (GQA/MQA).
         group: the ring (default: the whole world); ranks in group order hold consecutive
             slices (zigzag=False) or zigzag slices (zigzag=True, see `zigzag_shard`).
-        scale, softcap: as in `fmha.attention`. causal: causal over the global sequence.
+        scale, softcap: as in `fmha.attention`. causal, window: over the global sequence
+            (S * world tokens; queries and keys have the same positions, so both mask
+            alignments coincide). causal is window (-1, 0); windows go chunk by chunk.
         zigzag: the slices are in zigzag order (rank r: chunks r and 2W-1-r of 2W); S must
             be even. Balances causal work; also valid (and irrelevant) without causal.
         sinks: fp32 (Hq,) sink logits, added once to the merged denominator. Its gradient
             is this rank's share: reduce it over the group as for any replicated weight.
-        window, alibi_slopes, bias, sink_size, dropout_p: refused (NotImplementedError)
-            unless at their defaults: they depend on absolute positions (window=(-1, 0)
-            is causal=True and is accepted as such).
+        alibi_slopes, bias, sink_size, dropout_p: refused (NotImplementedError) unless at
+            their defaults: the per-block kernels cannot see absolute positions for them.
         return_lse: also return lse (B, Hq, S) fp32 of this rank's rows (differentiable).
 
     Returns: o in q's layout and dtype (this rank's rows), then lse if asked for.
@@ -266,13 +321,8 @@ def ring_attention(
     layout = V.check_layout(layout)
     V.check_dtype("q", q)
     V.check_same(("q", "k", "v"), (q, k, v))
-    left, right = V.check_scalars(scale=scale, softcap=softcap, window=window, sink_size=sink_size,
-                                  dropout_p=dropout_p, causal=causal)
-    if (left, right) == (-1, 0):
-        causal = True
-    elif (left, right) != (-1, -1):
-        _not_implemented("window", tuple(window), "a sliding window needs each block's absolute position, "
-                         "which fmha's kernels do not take; only (-1, -1) and (-1, 0) (causal)")
+    window = V.check_scalars(scale=scale, softcap=softcap, window=window, sink_size=sink_size,
+                             dropout_p=dropout_p, causal=causal)
     for name, value, given in (("alibi_slopes", alibi_slopes, alibi_slopes is not None),
                                ("bias", bias, bias is not None), ("sink_size", sink_size, sink_size != 0),
                                ("dropout_p", dropout_p, dropout_p != 0)):
@@ -305,7 +355,7 @@ def ring_attention(
     for name, t in (("q", q), ("k", k), ("v", v)):
         V.check_last_dim_contiguous(name, t)
     o, lse = _RingAttention.apply(q, k, v, sinks, group, layout, None if scale is None else float(scale),
-                                  causal, zigzag, float(softcap), True)
+                                  window, zigzag, float(softcap), True)
     return (o, lse) if return_lse else o
 
 
