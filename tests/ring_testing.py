@@ -91,7 +91,7 @@ def _worker(rank: int, world: int, backend: str, init: str, cases, seed: int, ou
         device = torch.device("cuda", rank)
     timing = os.environ.get("FMHA_RING_TIMING")
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=600))
     try:
         for i, case in enumerate(cases):
             t0 = time.perf_counter()
