@@ -186,10 +186,13 @@ def _bhsd(t: Tensor, layout: str) -> Tensor:
 
 def _merge_into(out: Tensor, lse: Tensor, o_blk: Tensor, lse_blk: Tensor) -> None:
     """out, lse (fp32, bhsd views) <- the LSE merge of (out, lse) and (o_blk, lse_blk)."""
-    new = torch.logaddexp(lse, lse_blk)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # rows still empty stay 0
-    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(o_blk * torch.exp(lse_blk - safe).unsqueeze(-1))
-    lse.copy_(new)
+    m = torch.maximum(lse, lse_blk)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows empty in both: weights 0
+    w_old, w_blk = torch.exp(lse - m), torch.exp(lse_blk - m)
+    total = w_old + w_blk
+    norm = torch.where(total == 0, torch.ones_like(total), total)
+    out.mul_((w_old / norm).unsqueeze(-1)).add_(o_blk * (w_blk / norm).unsqueeze(-1))
+    lse.copy_(m + torch.log(total))  # log(0) = -inf: still empty
 
 
 class _RingAttention(torch.autograd.Function):
