@@ -3,9 +3,9 @@ run `fmha.distributed.ring_attention` on each rank's slice, gather the results, 
 them against single-device `fmha.attention` on the full sequence (2x rule).
 
 A case is a dict: world, dtype (name), layout, batch, nhead_q, nhead_k, seqlen (total),
-head_dim, causal, zigzag, window (optional), softcap, sinks (bool), dlse (bool: return_lse with a random
-upstream gradient for it). Inputs are drawn from `seed` on the CPU, so every process and
-the checker see the same full tensors.
+head_dim, causal, zigzag, window (optional), alibi (bool, optional), softcap, sinks (bool),
+dlse (bool: return_lse with a random upstream gradient for it). Inputs are drawn from
+`seed` on the CPU, so every process and the checker see the same full tensors.
 """
 
 from __future__ import annotations
@@ -51,6 +51,14 @@ def full_inputs(case, seed: int, device="cpu"):
     return q, k, v, sinks, do, dlse
 
 
+def alibi_of(case, seed: int, device="cpu"):
+    """fp32 (Hq,) ALiBi slopes in [0.05, 0.55) when the case asks for ALiBi, else None."""
+    if not case.get("alibi"):
+        return None
+    g = torch.Generator().manual_seed(seed + 1_000_003)
+    return (torch.rand(case["nhead_q"], generator=g) * 0.5 + 0.05).to(device)
+
+
 def shard(x, case, rank: int, world: int, dim: int):
     if case["zigzag"]:
         return zigzag_shard(x, rank, world, dim=dim)
@@ -70,7 +78,7 @@ def run_rank(case, seed: int, rank: int, world: int, device) -> dict:
     sl = None if sinks is None else sinks.clone().requires_grad_()
     o, lse = ring_attention(ql, kl, vl, layout=case["layout"], causal=case["causal"], zigzag=case["zigzag"],
                             window=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0), sinks=sl,
-                            return_lse=True)
+                            alibi_slopes=alibi_of(case, seed, device), return_lse=True)
     outs, grads_out = [o], [dol]
     if dlse is not None:
         outs.append(lse)
@@ -154,7 +162,7 @@ def single_device(case, seed: int, device="cpu", dtype=None) -> dict:
     sinks = None if sinks is None else sinks.requires_grad_()
     o, lse = fmha.attention(q, k, v, layout=case["layout"], causal=case["causal"],
                             window=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0), sinks=sinks,
-                            return_lse=True)
+                            alibi_slopes=alibi_of(case, seed, device), return_lse=True)
     outs, grads_out = ([o, lse], [do, dlse]) if dlse is not None else ([o], [do])
     inputs = [q, k, v] + ([sinks] if sinks is not None else [])
     result = {"o": o.detach(), "lse": lse.detach()}
@@ -172,7 +180,7 @@ def torch64(case, seed: int) -> dict:
     tr = (lambda t: t.transpose(1, 2)) if bshd else (lambda t: t)
     o, lse = numerics.torch_attention(tr(q), tr(k), tr(v), compute_dtype=torch.float64, causal=case["causal"],
                                       window=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0),
-                                      sinks=sinks)
+                                      sinks=sinks, alibi_slopes=alibi_of(case, seed))
     o = tr(o)
     outs, grads_out = ([o, lse], [do, dlse.double()]) if dlse is not None else ([o], [do])
     inputs = [q, k, v] + ([sinks] if sinks is not None else [])

@@ -17,8 +17,8 @@ from ring_testing import compare, spawn, torch64
 
 
 def case(world, dtype, layout="bhsd", *, causal=True, zigzag=True, window=(-1, -1), nhead_q=2, nhead_k=1,
-         head_dim=16, seqlen=64, batch=1, softcap=0.0, sinks=False, dlse=False):
-    return dict(world=world, dtype=dtype, layout=layout, causal=causal, zigzag=zigzag, window=window,
+         head_dim=16, seqlen=64, batch=1, softcap=0.0, sinks=False, dlse=False, alibi=False):
+    return dict(world=world, dtype=dtype, layout=layout, causal=causal, zigzag=zigzag, window=window, alibi=alibi,
                 nhead_q=nhead_q, nhead_k=nhead_k, head_dim=head_dim, seqlen=seqlen, batch=batch,
                 softcap=softcap, sinks=sinks, dlse=dlse)
 
@@ -28,14 +28,15 @@ CASES = {
         "causal_zigzag_gqa_fp32": case(2, "float32", nhead_q=4, nhead_k=2),
         "causal_window_zigzag_fp16_bshd_softcap": case(2, "float16", "bshd", window=(13, 0), nhead_k=2,
                                                        head_dim=32, softcap=4.0),
-        "full_gqa_sinks_dlse_fp32": case(2, "float32", causal=False, zigzag=False, batch=2, sinks=True,
-                                         dlse=True),
-        "two_sided_window_zigzag_fp32": case(2, "float32", causal=False, window=(9, 5)),
+        "full_gqa_sinks_dlse_alibi_fp32": case(2, "float32", causal=False, zigzag=False, batch=2, sinks=True,
+                                               dlse=True, alibi=True),
+        "two_sided_window_zigzag_alibi_fp32": case(2, "float32", causal=False, window=(9, 5), alibi=True),
     },
     4: {
         "causal_zigzag_gqa_sinks_softcap_fp32_bshd": case(4, "float32", "bshd", nhead_q=4, nhead_k=2,
                                                           softcap=3.0, sinks=True),
-        "causal_contiguous_fp16_dlse": case(4, "float16", zigzag=False, head_dim=24, dlse=True),
+        "causal_contiguous_alibi_fp16_dlse": case(4, "float16", zigzag=False, head_dim=24, dlse=True,
+                                                  alibi=True),
     },
 }
 
@@ -93,7 +94,8 @@ def _qkv(seqlen=8, dtype=torch.float32):
 
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (0, 0), (5, 0), (3, 2), (-1, 4), (9, -1), (20, 7)])
 @pytest.mark.parametrize("world,zigzag", [(1, False), (2, True), (3, False), (4, True)])
-def test_block_plan_covers_the_global_mask_exactly(world, zigzag, window):
+@pytest.mark.parametrize("by_chunk", [False, True])
+def test_block_plan_covers_the_global_mask_exactly(world, zigzag, window, by_chunk):
     """Every visible (row, column) pair of the global mask is computed once, and nothing else."""
     import numpy as np
 
@@ -108,7 +110,9 @@ def test_block_plan_covers_the_global_mask_exactly(world, zigzag, window):
     for rank in range(world):
         for src in range(world):
             covered = np.zeros((seqlen, seqlen), dtype=int)
-            for rows, cols, (left, right) in _blocks(rank, src, world, seqlen, window, zigzag):
+            for rows, cols, (left, right), pos in _blocks(rank, src, world, seqlen, window, zigzag, by_chunk):
+                if pos is not None:  # chunk pairs: the first row's and column's global positions
+                    assert (int(positions[rank][rows][0]), int(positions[src][cols][0])) == pos[:2]
                 sub = reference.visible_mask(len(range(seqlen)[rows]), len(range(seqlen)[cols]),
                                              window=(left, right), mask_align="top_left")
                 covered[rows, cols] += sub
@@ -119,7 +123,6 @@ def test_block_plan_covers_the_global_mask_exactly(world, zigzag, window):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(causal=True, window=(4, 2)), "causal=True fixes the window's right edge"),
-    (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
     (dict(bias=torch.zeros(1, 2, 8, 8)), "bias"),
     (dict(sink_size=2), "sink_size=2"),
     (dict(dropout_p=0.1), "dropout_p=0.1"),

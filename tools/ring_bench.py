@@ -89,7 +89,7 @@ def _worker(rank, world, init, args, out_path):
                     qg, kg, vg = (t.detach().requires_grad_(backward) for t in (q, k, v))
 
                     def ring(communicate):
-                        o, _ = _RingAttention.apply(qg, kg, vg, None, None, "bhsd", None, (-1, 0), True, 0.0,
+                        o, _ = _RingAttention.apply(qg, kg, vg, None, None, None, "bhsd", None, (-1, 0), True, 0.0,
                                                     communicate)
                         if backward:
                             torch.autograd.grad(o, (qg, kg, vg), do)

@@ -120,25 +120,29 @@ class _Ring:
 _FULL, _CAUSAL = (-1, -1), (-1, 0)
 
 
-def _blocks(rank: int, src: int, world: int, seqlen: int, window: tuple[int, int], zigzag: bool):
-    """(query rows, key columns, top-left window) of the local work against rank `src`'s keys.
+def _blocks(rank: int, src: int, world: int, seqlen: int, window: tuple[int, int], zigzag: bool,
+            by_chunk: bool = False):
+    """(query rows, key columns, top-left window, positions) of the local work against rank
+    `src`'s keys; positions (first row's and first column's global positions, chunk
+    distance) only chunk by chunk.
 
     `window` is the global mask (left, right), causal = (-1, 0). Plain and causal masks
-    use whole slices (few launches); other windows go chunk by chunk (`_window_blocks`).
+    use whole slices (few launches); other windows, and `by_chunk`, go chunk by chunk
+    (`_window_blocks`).
     """
     full = slice(None)
-    if window == _FULL:
-        return [(full, full, _FULL)]
-    if window != _CAUSAL:
+    if by_chunk or window not in (_FULL, _CAUSAL):
         return _window_blocks(rank, src, world, seqlen, window, zigzag)
+    if window == _FULL:
+        return [(full, full, _FULL, None)]
     if src == rank:  # the diagonal block: local order is global order in both layouts
-        return [(full, full, _CAUSAL)]
+        return [(full, full, _CAUSAL, None)]
     if not zigzag:  # contiguous slices: earlier ranks fully visible, later ones not at all
-        return [(full, full, _FULL)] if src < rank else []
+        return [(full, full, _FULL, None)] if src < rank else []
     half = seqlen // 2
     if src < rank:  # all our rows see src's first chunk, none its second
-        return [(full, slice(0, half), _FULL)]
-    return [(slice(half, None), full, _FULL)]  # only our second chunk sees src, all of it
+        return [(full, slice(0, half), _FULL, None)]
+    return [(slice(half, None), full, _FULL, None)]  # only our second chunk sees src, all of it
 
 
 def _chunks(rank: int, world: int, seqlen: int, zigzag: bool) -> list[tuple[int, int, int]]:
@@ -172,8 +176,30 @@ def _window_blocks(rank: int, src: int, world: int, seqlen: int, window: tuple[i
                 continue
             bl = left - e if left >= 0 and nq - 1 > left - e else -1  # -1: never binding
             br = right + e if right >= 0 and right + e < nk - 1 else -1
-            blocks.append((slice(qlo + b, qlo + lq), slice(klo + a, klo + lk), (bl, br)))
+            blocks.append((slice(qlo + b, qlo + lq), slice(klo + a, klo + lk), (bl, br), (qs + b, ks + a, d)))
     return blocks
+
+
+def _alibi_block(slopes: Tensor | None, pos, nq: int, nk: int):
+    """(kernel alibi_slopes, bias, lse row shift) that put ALiBi on one chunk pair.
+
+    Within one chunk (distance 0, no trimming) the kernel's own ALiBi is exact. Across two
+    chunks the sign of i - j is the same for every pair, so -slope * |i - j| splits into a
+    column term (a broadcast bias (B|1, Hq, 1, nk), 0 at the nearest key) and a row term
+    that does not change the block's probabilities, only its LSE: the caller adds it to
+    the block's lse (forward) and subtracts it from the final lse it passes (backward).
+    """
+    if slopes is None:
+        return None, None, None
+    qpos, kpos, distance = pos
+    if distance == 0:
+        return slopes, None, None
+    sign = 1.0 if distance > 0 else -1.0
+    ref = kpos + nk - 1 if distance > 0 else kpos  # the key nearest to the query chunk
+    sl = (slopes if slopes.dim() == 2 else slopes[None]).float()
+    cols = torch.arange(nk, device=slopes.device, dtype=torch.float32) + (kpos - ref)
+    rows = torch.arange(nq, device=slopes.device, dtype=torch.float32) + (qpos - ref)
+    return None, sl[:, :, None, None] * (sign * cols), sl[:, :, None] * (-sign * rows)
 
 
 def _seq(t: Tensor, layout: str, sl: slice) -> Tensor:
@@ -197,7 +223,7 @@ def _merge_into(out: Tensor, lse: Tensor, o_blk: Tensor, lse_blk: Tensor) -> Non
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, group, layout, scale, window, zigzag, softcap, communicate):
+    def forward(ctx, q, k, v, sinks, alibi, group, layout, scale, window, zigzag, softcap, communicate):
         ring = _Ring(group, communicate)
         kw = dict(layout=layout, scale=scale, softcap=softcap)
         seqlen = q.shape[2] if layout == "bhsd" else q.shape[1]
@@ -211,9 +237,14 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < ring.world:
                 nxt, works = ring.start(kv)
             src = (ring.rank - step) % ring.world
-            for rows, cols, blk_window in _blocks(ring.rank, src, ring.world, seqlen, window, zigzag):
-                _block_forward(_seq(q, layout, rows), _seq(kv[0], layout, cols), _seq(kv[1], layout, cols),
-                               _seq(o_blk, layout, rows), lse_blk[:, :, rows], window=blk_window, **kw)
+            for rows, cols, blk_window, pos in _blocks(ring.rank, src, ring.world, seqlen, window, zigzag,
+                                                       alibi is not None):
+                qb, kb, vb = _seq(q, layout, rows), _seq(kv[0], layout, cols), _seq(kv[1], layout, cols)
+                slopes, bias, shift = _alibi_block(alibi, pos, lse[:, :, rows].shape[-1], _bhsd(kb, layout).shape[2])
+                _block_forward(qb, kb, vb, _seq(o_blk, layout, rows), lse_blk[:, :, rows], window=blk_window,
+                               bias=bias, alibi_slopes=slopes, **kw)
+                if shift is not None:
+                    lse_blk[:, :, rows] += shift
                 _merge_into(_bhsd(_seq(out, layout, rows), layout), lse[:, :, rows],
                             _bhsd(_seq(o_blk, layout, rows), layout), lse_blk[:, :, rows])
             if step + 1 < ring.world:
@@ -224,13 +255,13 @@ class _RingAttention(torch.autograd.Function):
             _bhsd(out, layout).mul_(torch.exp(lse - final).unsqueeze(-1))
             lse = final
         o = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, lse, sinks)
+        ctx.save_for_backward(q, k, v, o, lse, sinks, alibi)
         ctx.args = (group, layout, scale, window, zigzag, softcap, communicate)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, sinks = ctx.saved_tensors
+        q, k, v, o, lse, sinks, alibi = ctx.saved_tensors
         group, layout, scale, window, zigzag, softcap, communicate = ctx.args
         ring = _Ring(group, communicate)
         kw = dict(layout=layout, scale=scale, softcap=softcap)
@@ -253,15 +284,18 @@ class _RingAttention(torch.autograd.Function):
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
             written = []  # key ranges whose dk/dv this step already holds
-            for rows, cols, blk_window in _blocks(ring.rank, src, ring.world, seqlen, window, zigzag):
+            for rows, cols, blk_window, pos in _blocks(ring.rank, src, ring.world, seqlen, window, zigzag,
+                                                       alibi is not None):
                 span = range(seqlen)[cols]
+                slopes, bias, shift = _alibi_block(alibi, pos, len(range(seqlen)[rows]), len(span))
+                blk_lse = lse[:, :, rows] if shift is None else lse[:, :, rows] - shift
                 dk_out, dv_out = _seq(dk, layout, cols), _seq(dv, layout, cols)
                 shared = any(span.start < stop and start < span.stop for start, stop in written)
                 if shared:  # the kernel overwrites its block's dk/dv: add through a temporary
                     dk_out, dv_out = torch.empty_like(dk_out), torch.empty_like(dv_out)
                 _block_backward(_seq(q, layout, rows), _seq(kv[0], layout, cols), _seq(kv[1], layout, cols),
-                                _seq(do, layout, rows), lse[:, :, rows], delta[:, :, rows],
-                                _seq(dq_acc, layout, rows), dk_out, dv_out, window=blk_window, **kw)
+                                _seq(do, layout, rows), blk_lse, delta[:, :, rows], _seq(dq_acc, layout, rows),
+                                dk_out, dv_out, window=blk_window, bias=bias, alibi_slopes=slopes, **kw)
                 if shared:
                     _seq(dk, layout, cols).add_(dk_out)
                     _seq(dv, layout, cols).add_(dv_out)
@@ -277,7 +311,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         ring.wait(acc_works)
         dq = (dq_acc * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)).to(q.dtype)
-        return (dq, acc[0].to(k.dtype), acc[1].to(v.dtype), dsinks) + (None,) * 7
+        return (dq, acc[0].to(k.dtype), acc[1].to(v.dtype), dsinks) + (None,) * 8
 
 
 def _not_implemented(name: str, value, why: str):
@@ -326,8 +360,7 @@ def ring_attention(
     V.check_same(("q", "k", "v"), (q, k, v))
     window = V.check_scalars(scale=scale, softcap=softcap, window=window, sink_size=sink_size,
                              dropout_p=dropout_p, causal=causal)
-    for name, value, given in (("alibi_slopes", alibi_slopes, alibi_slopes is not None),
-                               ("bias", bias, bias is not None), ("sink_size", sink_size, sink_size != 0),
+    for name, value, given in (("bias", bias, bias is not None), ("sink_size", sink_size, sink_size != 0),
                                ("dropout_p", dropout_p, dropout_p != 0)):
         if given:
             shown = f"<tensor of shape {tuple(value.shape)}>" if isinstance(value, Tensor) else value
@@ -350,6 +383,7 @@ def ring_attention(
     if kv.shape[-1] != qv.shape[-1]:
         raise ValueError(f"k has head dim {kv.shape[-1]} but q has {qv.shape[-1]}; they must match")
     V.check_sinks(sinks, qv.shape[1], q.device, q.dtype)
+    V.check_alibi(alibi_slopes, qv.shape[0], qv.shape[1], q.device)
     if zigzag and qv.shape[2] % 2:
         raise ValueError(f"zigzag=True needs an even local seqlen (two equal chunks), got {qv.shape[2]}")
     if not dist.is_available() or not dist.is_initialized():
@@ -357,7 +391,7 @@ def ring_attention(
                            "(torch.distributed.init_process_group)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         V.check_last_dim_contiguous(name, t)
-    o, lse = _RingAttention.apply(q, k, v, sinks, group, layout, None if scale is None else float(scale),
+    o, lse = _RingAttention.apply(q, k, v, sinks, alibi_slopes, group, layout, None if scale is None else float(scale),
                                   window, zigzag, float(softcap), True)
     return (o, lse) if return_lse else o
 
