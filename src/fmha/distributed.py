@@ -267,13 +267,15 @@ class _RingAttention(torch.autograd.Function):
         kw = dict(layout=layout, scale=scale, softcap=softcap)
         seqlen = q.shape[2] if layout == "bhsd" else q.shape[1]
         do = do.contiguous() if do.stride(-1) != 1 else do
-        delta = (_bhsd(do, layout).float() * _bhsd(o, layout).float()).sum(-1)  # (B, Hq, S)
+        # (B, Hq, S), contiguous: the kernel reads delta with the strides of the lse it is given
+        delta = (_bhsd(do, layout).float() * _bhsd(o, layout).float()).sum(-1).contiguous()
         if dlse is not None:  # d lse / d s_ij = p_ij: it enters like -delta (SPEC section 2)
             delta = delta - dlse
         dsinks = None
         if sinks is not None:  # d lse / d sink = p_sink; this rank's rows only
             dsinks = -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum(dim=(0, 2)).to(sinks.dtype)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse_shifted = torch.empty_like(delta) if alibi is not None else None
         kv = [k.contiguous(), v.contiguous()]
         acc, acc_works = None, []
         for step in range(ring.world):
@@ -288,7 +290,9 @@ class _RingAttention(torch.autograd.Function):
                                                        alibi is not None):
                 span = range(seqlen)[cols]
                 slopes, bias, shift = _alibi_block(alibi, pos, len(range(seqlen)[rows]), len(span))
-                blk_lse = lse[:, :, rows] if shift is None else lse[:, :, rows] - shift
+                blk_lse = lse[:, :, rows]
+                if shift is not None:  # into a buffer shaped like delta: the kernel reads both with lse's strides
+                    blk_lse = torch.sub(blk_lse, shift, out=lse_shifted[:, :, rows])
                 dk_out, dv_out = _seq(dk, layout, cols), _seq(dv, layout, cols)
                 shared = any(span.start < stop and start < span.stop for start, stop in written)
                 if shared:  # the kernel overwrites its block's dk/dv: add through a temporary
