@@ -18,8 +18,8 @@ pytestmark = pytest.mark.gpu2
 
 
 def case(seqlen, *, causal=True, zigzag=True, window=(-1, -1), nhead_q=16, nhead_k=16, layout="bhsd",
-         softcap=0.0, sinks=False, dlse=False):
-    return dict(world=2, dtype="bfloat16", layout=layout, causal=causal, zigzag=zigzag, window=window,
+         softcap=0.0, sinks=False, dlse=False, alibi=False):
+    return dict(world=2, dtype="bfloat16", layout=layout, causal=causal, zigzag=zigzag, window=window, alibi=alibi,
                 nhead_q=nhead_q, nhead_k=nhead_k, head_dim=128, seqlen=seqlen, batch=1, softcap=softcap,
                 sinks=sinks, dlse=dlse)
 
@@ -30,6 +30,7 @@ CASES = {
     "full_sinks_softcap_16k": case(16384, causal=False, zigzag=False, softcap=30.0, sinks=True),
     "causal_contiguous_gqa_16k": case(16384, zigzag=False, nhead_k=8),
     "sliding_window_zigzag_16k": case(16384, window=(3000, 0)),
+    "causal_alibi_zigzag_gqa_8k": case(8192, nhead_k=8, alibi=True),
 }
 
 

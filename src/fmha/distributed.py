@@ -15,9 +15,10 @@ rank then does the same work at every step.
     o = ring_attention(q_local, k_local, v_local, causal=True, zigzag=True)
 
 Sliding windows work: each (query chunk, key chunk) pair is trimmed so that the global
-window becomes a top-left window of the block. ALiBi, bias, sink tokens, dropout and
-packed varlen inputs are refused with NotImplementedError; soft-cap and sink logits
-(added once, in the final merge) work.
+window becomes a top-left window of the block. ALiBi works: native within a chunk, and
+across chunks (where i - j has one sign) as a broadcast column bias plus a shift of the
+block's LSE. Soft-cap and sink logits (added once, in the final merge) work. Bias, sink
+tokens, dropout and packed varlen inputs are refused with NotImplementedError.
 """
 
 from __future__ import annotations
@@ -345,8 +346,9 @@ def ring_attention(
             be even. Balances causal work; also valid (and irrelevant) without causal.
         sinks: fp32 (Hq,) sink logits, added once to the merged denominator. Its gradient
             is this rank's share: reduce it over the group as for any replicated weight.
-        alibi_slopes, bias, sink_size, dropout_p: refused (NotImplementedError) unless at
-            their defaults: the per-block kernels cannot see absolute positions for them.
+        alibi_slopes: fp32 (Hq,) or (B, Hq), as in `fmha.attention` (global positions).
+        bias, sink_size, dropout_p: refused (NotImplementedError) unless at their defaults:
+            the per-block kernels cannot see absolute positions for them.
         return_lse: also return lse (B, Hq, S) fp32 of this rank's rows (differentiable).
 
     Returns: o in q's layout and dtype (this rank's rows), then lse if asked for.
