@@ -1,4 +1,4 @@
-"""Shared fixtures. GPU tests (`-m gpu`) fail loudly without CUDA instead of skipping."""
+"""Shared fixtures. GPU tests (`-m gpu`, `-m gpu2`) fail loudly without the GPUs instead of skipping."""
 
 import secrets
 
@@ -12,6 +12,11 @@ def pytest_collection_modifyitems(config, items):
     if selected_gpu and not torch.cuda.is_available():
         raise pytest.UsageError(
             f"{len(selected_gpu)} GPU tests were selected (-m gpu) but CUDA is not available")
+    selected_gpu2 = [item for item in items if item.get_closest_marker("gpu2")]
+    if selected_gpu2 and (not torch.cuda.is_available() or torch.cuda.device_count() < 2):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise pytest.UsageError(
+            f"{len(selected_gpu2)} two-GPU tests were selected (-m gpu2) but {count} CUDA GPUs are visible")
 
 
 @pytest.fixture

@@ -34,3 +34,12 @@ __all__ = [
     "Dispatcher", "NoKernelError", "Plan", "SplitPolicy", "DType", "Feature", "MaskAlign", "Problem", "Registry",
     "default_registry", "__version__", "fp8", "quantize_fp8", "dequantize_fp8",
 ]
+
+
+def __getattr__(name: str):
+    # `fmha.distributed` (ring attention over torch.distributed) is imported on first use.
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

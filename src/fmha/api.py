@@ -495,6 +495,52 @@ def _plan_backward(problem: Problem, exact_delta: bool = False) -> Plan:
     return get_dispatcher().plan_backward(problem, exact_delta=exact_delta)
 
 
+# ----------------------------------------------------------------------------------------
+# Building blocks for fmha.distributed (ring attention): the kernels on one block of keys,
+# into caller-owned (fp32) buffers, no autograd. The caller maps global positions onto the
+# block's top-left window (and ALiBi onto a bias); soft-cap and GQA as usual.
+
+
+def _block_prepare(q, k, v, layout, scale, window, softcap, bias, alibi_slopes) -> _Prepared:
+    """The block's mask is `window` aligned top-left (row i sees i - left .. i + right)."""
+    return _prepare(q, k, v, bias, alibi_slopes, None, None, None, None, 0, 0, layout, scale, False,
+                    window[0], window[1], "top_left", 0, softcap, 0.0, 0, 0, False)
+
+
+def _block_forward(q, k, v, o, lse, *, layout, scale, window, softcap, bias=None,
+                   alibi_slopes=None) -> None:
+    """o (q's layout, any float dtype) and lse (B, Hq, Sq) of q over this block of keys.
+
+    Every tensor may be a strided view (a slice along the sequence); nothing is copied.
+    bias (broadcastable to (B, Hq, Sq, Sk)) and alibi_slopes as in `attention`.
+    """
+    prep = _block_prepare(q, k, v, layout, scale, window, softcap, bias, alibi_slopes)
+    config = _plan_forward(prep.problem, False).config(Family.FWD)
+    kernels = family_module("fwd", interpreted=q.device.type == "cpu")
+    with _device_guard(q):
+        kernels.launch(prep.q, prep.k, prep.v, _kernel_view(o, prep), lse,
+                       **_kernel_args(prep, bias, alibi_slopes, None, None, None, 0, 0), **_algo(config))
+
+
+def _block_backward(q, k, v, do, lse, delta, dq_acc, dk, dv, *, layout, scale, window,
+                    softcap, bias=None, alibi_slopes=None) -> None:
+    """Gradients of one block of keys, given the rows' final (merged) lse and delta.
+
+    lse, delta: (B, Hq, Sq) fp32, delta = rowsum(dO * O) (minus dlse). dk/dv (k's/v's
+    layout, fp32 for accumulation) are overwritten; the unscaled dQ is added into the fp32
+    dq_acc (q's layout) with atomics: the caller multiplies by the scale once at the end.
+    """
+    prep = _block_prepare(q, k, v, layout, scale, window, softcap, bias, alibi_slopes)
+    config = _plan_backward(prep.problem).config(Family.BWD_DQ_DK_DV)
+    kernels = family_module("bwd", interpreted=q.device.type == "cpu")
+    with _device_guard(q):
+        kernels.launch_dkdv(prep.q, prep.k, prep.v, _kernel_view(do, prep), lse, delta,
+                            _kernel_view(dk, prep), _kernel_view(dv, prep),
+                            dq_acc=_kernel_view(dq_acc, prep),
+                            **_kernel_args(prep, bias, alibi_slopes, None, None, None, 0, 0),
+                            **_algo(config))
+
+
 class _device_guard:
     def __init__(self, t: Tensor):
         self.ctx = torch.cuda.device(t.device) if t.device.type == "cuda" else None
