@@ -225,6 +225,40 @@ def _kernel_view(t: Tensor, prep: _Prepared) -> Tensor:
     return t.transpose(1, 2) if (prep.problem.layout == "bshd" and not prep.problem.varlen) else t
 
 
+def _launch_forward(prep: _Prepared, config: KernelConfig, o_view: Tensor, lse: Tensor,
+                    sinks: Tensor | None, kernel_args: dict) -> None:
+    """Run the forward `config` (Triton, or Gluon on Hopper) into o_view / lse."""
+    p, a = prep.problem, config.algorithm
+    with _device_guard(prep.q):
+        if a.pipeline.is_gluon:
+            family_module("fwd_gluon", interpreted=False).launch(
+                prep.q, prep.k, prep.v, o_view, lse, causal=p.window == (-1, 0),
+                align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT, scale=prep.scale,
+                block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages,
+                pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG)
+        else:
+            family_module("fwd", interpreted=prep.q.device.type == "cpu").launch(
+                prep.q, prep.k, prep.v, o_view, lse, sinks=sinks, **kernel_args, **_algo(config))
+
+
+def _launch_dkdv(prep: _Prepared, config: KernelConfig, do_view: Tensor, lse: Tensor, delta: Tensor,
+                 dk_view: Tensor, dv_view: Tensor, dq_acc_view: Tensor | None, dbias: Tensor | None,
+                 kernel_args: dict) -> None:
+    """Run the dK/dV `config` (Triton, or Gluon on Hopper, which adds dQ into dq_acc_view)."""
+    p, a = prep.problem, config.algorithm
+    if a.pipeline.is_gluon:
+        if not _tma_aligned(do_view):  # dO from autograd may be any view (TMA loads it)
+            do_view = do_view.contiguous()
+        family_module("bwd_gluon", interpreted=False).launch_dkdv(
+            prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view, dq_acc_view,
+            causal=p.window == (-1, 0), align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT,
+            scale=prep.scale, block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages)
+    else:
+        family_module("bwd", interpreted=prep.q.device.type == "cpu").launch_dkdv(
+            prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view, dq_acc=dq_acc_view, dbias=dbias,
+            **kernel_args, **_algo(config))
+
+
 # ----------------------------------------------------------------------------------------
 # The kernel work as custom ops (opaque to torch.compile, with fake implementations).
 
@@ -245,24 +279,9 @@ def _fwd_op(
     prep = _prepare(q, k, v, **args)
     plan = _plan_forward(prep.problem, False)
     o, o_view, lse = _alloc_like(q, v.shape[-1], prep.problem.varlen, layout)
-    config = plan.config(Family.FWD)
-    if not (o.numel() or lse.numel()):
-        return o, lse
-    if config.algorithm.pipeline.is_gluon:
-        p, a = prep.problem, config.algorithm
-        with _device_guard(q):
-            family_module("fwd_gluon", interpreted=False).launch(
-                prep.q, prep.k, prep.v, o_view, lse, causal=p.window == (-1, 0),
-                align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT, scale=prep.scale,
-                block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages,
-                pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG)
-    else:
-        kernels = family_module("fwd", interpreted=q.device.type == "cpu")
-        with _device_guard(q):
-            kernels.launch(prep.q, prep.k, prep.v, o_view, lse, sinks=sinks,
-                           **_kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                          seqused_k, seed, offset),
-                           **_algo(config))
+    if o.numel() or lse.numel():
+        _launch_forward(prep, plan.config(Family.FWD), o_view, lse, sinks,
+                        _kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, seed, offset))
     return o, lse
 
 
@@ -326,20 +345,8 @@ def _bwd_op(
                               **_algo(plan.config(Family.BWD_DQ)))
         else:
             dq_acc = torch.zeros(dq.shape, dtype=_stats_dtype(q), device=q.device)
-            dkdv = plan.config(Family.BWD_DQ_DK_DV)
-            if dkdv.algorithm.pipeline.is_gluon:
-                a = dkdv.algorithm
-                if not _tma_aligned(do_view):  # dO from autograd may be any view (TMA loads it)
-                    do_view = do_view.contiguous()
-                family_module("bwd_gluon", interpreted=False).launch_dkdv(
-                    prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view, _kernel_view(dq_acc, prep),
-                    causal=problem.window == (-1, 0),
-                    align_bottom_right=problem.mask_align == MaskAlign.BOTTOM_RIGHT, scale=prep.scale,
-                    block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages)
-            else:
-                kernels.launch_dkdv(prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view,
-                                    dq_acc=_kernel_view(dq_acc, prep), dbias=dbias_full, **shared,
-                                    **_algo(dkdv))
+            _launch_dkdv(prep, plan.config(Family.BWD_DQ_DK_DV), do_view, lse, delta, dk_view, dv_view,
+                         _kernel_view(dq_acc, prep), dbias_full, shared)
             kernels.launch_convert_dq(dq_acc, dq, scale=prep.scale,
                                       **_algo(plan.config(Family.BWD_CONVERT_DQ)))
     dbias = q.new_empty(0)
@@ -516,10 +523,8 @@ def _block_forward(q, k, v, o, lse, *, layout, scale, window, softcap, bias=None
     """
     prep = _block_prepare(q, k, v, layout, scale, window, softcap, bias, alibi_slopes)
     config = _plan_forward(prep.problem, False).config(Family.FWD)
-    kernels = family_module("fwd", interpreted=q.device.type == "cpu")
-    with _device_guard(q):
-        kernels.launch(prep.q, prep.k, prep.v, _kernel_view(o, prep), lse,
-                       **_kernel_args(prep, bias, alibi_slopes, None, None, None, 0, 0), **_algo(config))
+    _launch_forward(prep, config, _kernel_view(o, prep), lse, None,
+                    _kernel_args(prep, bias, alibi_slopes, None, None, None, 0, 0))
 
 
 def _block_backward(q, k, v, do, lse, delta, dq_acc, dk, dv, *, layout, scale, window,
@@ -532,13 +537,10 @@ def _block_backward(q, k, v, do, lse, delta, dq_acc, dk, dv, *, layout, scale, w
     """
     prep = _block_prepare(q, k, v, layout, scale, window, softcap, bias, alibi_slopes)
     config = _plan_backward(prep.problem).config(Family.BWD_DQ_DK_DV)
-    kernels = family_module("bwd", interpreted=q.device.type == "cpu")
     with _device_guard(q):
-        kernels.launch_dkdv(prep.q, prep.k, prep.v, _kernel_view(do, prep), lse, delta,
-                            _kernel_view(dk, prep), _kernel_view(dv, prep),
-                            dq_acc=_kernel_view(dq_acc, prep),
-                            **_kernel_args(prep, bias, alibi_slopes, None, None, None, 0, 0),
-                            **_algo(config))
+        _launch_dkdv(prep, config, _kernel_view(do, prep), lse, delta, _kernel_view(dk, prep),
+                     _kernel_view(dv, prep), _kernel_view(dq_acc, prep), None,
+                     _kernel_args(prep, bias, alibi_slopes, None, None, None, 0, 0))
 
 
 class _device_guard:

@@ -61,6 +61,7 @@ def _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it, m_start, n_m, hq0, b
 @gluon.jit
 def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
                     stride_lb, stride_lh, stride_lm,
+                    stride_deb, stride_deh, stride_dem,
                     stride_dqb, stride_dqh, stride_dqm,
                     stride_dkb, stride_dkh, stride_dkn,
                     stride_dvb, stride_dvh, stride_dvn,
@@ -139,10 +140,11 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr,
             dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
         q_ok = queries < seqlen_q
-        row_stats = b.to(gl.int64) * stride_lb + h * stride_lh + queries * stride_lm
+        b64 = b.to(gl.int64)
         # Queries past the end: LSE +inf gives P = 0.
-        lse2 = gl.load(lse_ptr + row_stats, mask=q_ok, other=float("inf")) * LOG2E
-        delta = gl.load(delta_ptr + row_stats, mask=q_ok, other=0.0)
+        lse2 = gl.load(lse_ptr + b64 * stride_lb + h * stride_lh + queries * stride_lm, mask=q_ok,
+                       other=float("inf")) * LOG2E
+        delta = gl.load(delta_ptr + b64 * stride_deb + h * stride_deh + queries * stride_dem, mask=q_ok, other=0.0)
         st = warpgroup_mma_wait(1, deps=(st,))
         pt = gl.exp2(st * qk_scale - lse2[None, :])
         need_mask = n0 + BLOCK_N > seqlen_k
@@ -188,9 +190,9 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr,
     kv_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     kv_ok = (kv_rows < seqlen_k)[:, None]
     gl.store(dk_ptr + b.to(gl.int64) * stride_dkb + hk * stride_dkh + kv_rows[:, None] * stride_dkn
-             + kv_cols[None, :], (dk * scale).to(dtype), mask=kv_ok)
+             + kv_cols[None, :], (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_ok)
     gl.store(dv_ptr + b.to(gl.int64) * stride_dvb + hk * stride_dvh + kv_rows[:, None] * stride_dvn
-             + kv_cols[None, :], dv.to(dtype), mask=kv_ok)
+             + kv_cols[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_ok)
 
 
 def _descriptor(t, block_rows: int):
@@ -207,12 +209,12 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     """(B, H, S, D) views; lse/delta (B, Hq, Sq) fp32; dq_acc fp32 (B, Hq, Sq, D) view, zeroed."""
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
-    assert lse.stride() == delta.stride()
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
     grid = (triton.cdiv(seqlen_k, block_n) * batch * nheads_k,)
     bwd_dkdv_kernel[grid](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
-        lse, delta, dq_acc, dk, dv, *lse.stride(), *dq_acc.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+        lse, delta, dq_acc, dk, dv, *lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3],
+        *dv.stride()[:3],
         seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale,
         CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
         OVERLAP=OVERLAP_NEXT_TILE, num_warps=NUM_WARPS.value,
@@ -228,15 +230,12 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
         layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], element)
         return f"tensordesc<{dtype}[1,1,{rows},{head_dim}],{layout!r}>"
 
-    signature = {"q_desc": descriptor(block_m), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
-                 "do_desc": descriptor(block_m), "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32",
-                 "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}"}
-    for name in ("stride_lb", "stride_lh", "stride_lm", "stride_dqb", "stride_dqh", "stride_dqm",
-                 "stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb", "stride_dvh", "stride_dvn",
-                 "seqlen_q", "seqlen_k", "nheads_k", "group", "diag"):
-        signature[name] = "i32"
-    signature.update(qk_scale="fp32", scale="fp32")
+    types = {"q_desc": descriptor(block_m), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
+             "do_desc": descriptor(block_m), "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32",
+             "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}", "qk_scale": "fp32", "scale": "fp32"}
     constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
                       OVERLAP=OVERLAP_NEXT_TILE)
+    # In the kernel's argument order; the other arguments are strides and sizes (i32).
+    signature = {name: types.get(name, "i32") for name in bwd_dkdv_kernel.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs, {"num_warps": NUM_WARPS.value}

@@ -101,11 +101,11 @@ def _softmax_update(s, m_i, l_i, rows, n0, seqlen_k, diag, qk_scale, row_lo,
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr,
+def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
               PINGPONG: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    (q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
-     q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+    (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
+     stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
      seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale) = args
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = _acc_layout(BLOCK_N, 4)
@@ -170,32 +170,38 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
     gl.store(lse_ptr + b.to(gl.int64) * stride_lb + h * stride_lh + rows * stride_lm, lse,
              mask=rows < seqlen_q)
     out = acc / gl.convert_layout(l_safe, orow_layout)[:, None]
-    q_tile.store(out.to(dtype))  # Q is no longer read: its buffer stages O for the TMA store
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, row_lo, 0], q_tile.reshape([1, 1, WG_ROWS, HEAD_DIM]))
-    tma.store_wait(0)
+    if O_TMA:
+        q_tile.store(out.to(dtype))  # Q is no longer read: its buffer stages O for the TMA store
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, h, row_lo, 0], q_tile.reshape([1, 1, WG_ROWS, HEAD_DIM]))
+        tma.store_wait(0)
+    else:  # another output dtype (fp32 partial results of ring attention) or alignment
+        o_rows = row_lo + gl.arange(0, WG_ROWS, layout=orow_layout)
+        o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(o_ptr + b.to(gl.int64) * stride_ob + h * stride_oh + o_rows[:, None] * stride_om + o_cols[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=(o_rows < seqlen_q)[:, None])
 
 
 @gluon.jit
-def _consumer0(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, PINGPONG: gl.constexpr,
+def _consumer0(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 0, CAUSAL, NEG_SCALE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    _consumer(args, 0, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
-def _consumer1(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, PINGPONG: gl.constexpr,
+def _consumer1(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 1, CAUSAL, NEG_SCALE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    _consumer(args, 1, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
-def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, PINGPONG: gl.constexpr,
+def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    (q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
-     q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+    (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
+     stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
      seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale) = args
     b, h, hk, row0, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
@@ -217,9 +223,10 @@ def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, PINGPONG: gl.
 
 
 @gluon.jit
-def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
+def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om,
+                  lse_ptr, stride_lb, stride_lh, stride_lm,
                   seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale,
-                  CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, PINGPONG: gl.constexpr,
+                  CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                   BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -246,13 +253,13 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lb, stride_lh,
     mbarrier.init(turn.index(1), count=1)
     mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
 
-    args = (q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
-            q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+    args = (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb,
+            stride_lh, stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
             seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale)
     gl.warp_specialize([
-        (_consumer0, (args, CAUSAL, NEG_SCALE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer1, (args, CAUSAL, NEG_SCALE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_producer, (args, CAUSAL, NEG_SCALE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -278,19 +285,22 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
            block_m: int, block_n: int, num_stages: int, pingpong: bool = True,
            consumer_regs: int = CONSUMER_REGS, producer_regs: int = PRODUCER_REGS,
            maxnreg: int = MAXNREG) -> None:
-    """q/k/v/o: (B, H, S, D) views (any 16-byte aligned strides), lse: (B, Hq, Sq) fp32."""
+    """q/k/v: (B, H, S, D) views with 16-byte aligned strides; o: (B, Hq, Sq, D) view of any
+    float dtype and strides (a TMA store when it is q's dtype and aligned); lse: (B, Hq, Sq) fp32."""
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
     grid = (triton.cdiv(seqlen_q, block_m) * batch * nheads_q,)
+    q_desc = _descriptor(q, WG_ROWS.value)
+    o_tma = o.dtype == q.dtype and o.stride(-1) == 1 and o.data_ptr() % 16 == 0 and all(
+        (st * o.element_size()) % 16 == 0 and st > 0 for st in o.stride()[:-1])
     fwd_ws_kernel[grid](
-        _descriptor(q, WG_ROWS.value), _descriptor(k, block_n), _descriptor(v, block_n),
-        _descriptor(o, WG_ROWS.value),
-        lse, *lse.stride(),
+        q_desc, _descriptor(k, block_n), _descriptor(v, block_n),
+        _descriptor(o, WG_ROWS.value) if o_tma else q_desc,  # unused without O_TMA
+        o, *o.stride()[:3], lse, *lse.stride(),
         seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE),
-        CAUSAL=causal, NEG_SCALE=scale < 0, PINGPONG=pingpong, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim,
-        STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+        CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, BLOCK_M=block_m,
+        BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         num_warps=4, maxnreg=maxnreg,
     )
 
@@ -305,12 +315,12 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
         layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], element)
         return f"tensordesc<{dtype}[1,1,{rows},{head_dim}],{layout!r}>"
 
-    signature = {"q_desc": descriptor(WG_ROWS.value), "k_desc": descriptor(block_n),
-                 "v_desc": descriptor(block_n), "o_desc": descriptor(WG_ROWS.value), "lse_ptr": "*fp32",
-                 **dict.fromkeys(("stride_lb", "stride_lh", "stride_lm", "seqlen_q", "seqlen_k", "nheads_q",
-                                  "group", "diag"), "i32"), "qk_scale": "fp32"}
-    constexprs = dict(CAUSAL=causal, NEG_SCALE=False, PINGPONG=pingpong, BLOCK_M=block_m, BLOCK_N=block_n,
-                      HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS,
+    types = {"q_desc": descriptor(WG_ROWS.value), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
+             "o_desc": descriptor(WG_ROWS.value), "o_ptr": f"*{dtype}", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=True, PINGPONG=pingpong, BLOCK_M=block_m,
+                      BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS,
                       PRODUCER_REGS=PRODUCER_REGS)
+    # In the kernel's argument order; the other arguments are strides and sizes (i32).
+    signature = {name: types.get(name, "i32") for name in fwd_ws_kernel.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs, {"num_warps": 4, "maxnreg": MAXNREG}
