@@ -10,6 +10,7 @@ compared with fmha.reference (numpy, float64) under the FlashAttention 2x error 
 import torch
 
 import fmha
+
 from _common import DEVICE, done, header, qkv, run_checked, sizes
 
 header("Example 01: basic fmha.attention")

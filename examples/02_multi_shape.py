@@ -10,6 +10,7 @@ and the kernel the dispatcher chose is printed.
 import torch
 
 import fmha
+
 from _common import done, header, qkv, run_checked, sizes
 
 header("Example 02: multi-shape")

@@ -8,12 +8,15 @@ measure of kernel speed), reports TFLOP/s in the FlashAttention convention, and 
 the output of every timed problem. For the full harness: `fmha bench --suite quick`.
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
 import fmha
-from _common import DEVICE, check, done, header, qkv, sizes, truth_and_baseline
 from fmha.bench import time_ms
+
+from _common import DEVICE, check, done, header, qkv, sizes, truth_and_baseline
 
 header("Example 03: benchmark")
 problems = sizes([(1, 2, 64, 64, False), (1, 2, 64, 64, True)],
@@ -24,12 +27,15 @@ print(f"  {'problem':<28} {'fmha fwd ms':>12} {'TFLOP/s':>9} {'sdpa fwd ms':>12}
 for b, h, s, d, causal in problems:
     q, k, v = qkv(b, h, h, s, s, d, gen=gen, grad=True)
     problem = fmha.problem_of(q, k, v, causal=causal)
-    fwd = time_ms(lambda: fmha.attention(q, k, v, causal=causal), device=DEVICE, warmup=warmup, repeat=repeat)
-    sdpa = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), device=DEVICE,
-                   warmup=warmup, repeat=repeat)
     do = torch.randn_like(q)
-    both = time_ms(lambda: torch.autograd.grad(fmha.attention(q, k, v, causal=causal), (q, k, v), do),
-                   device=DEVICE, warmup=warmup, repeat=repeat)
+
+    def fwd_bwd(q=q, k=k, v=v, do=do, causal=causal):
+        return torch.autograd.grad(fmha.attention(q, k, v, causal=causal), (q, k, v), do)
+
+    timing = dict(device=DEVICE, warmup=warmup, repeat=repeat)
+    fwd = time_ms(partial(fmha.attention, q, k, v, causal=causal), **timing)
+    sdpa = time_ms(partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal), **timing)
+    both = time_ms(fwd_bwd, **timing)
     name = f"B{b} H{h} S{s} D{d}{' causal' if causal else ''}"
     print(f"  {name:<28} {fwd:>12.3f} {problem.flops_fwd() / fwd / 1e9:>9.2f} {sdpa:>12.3f} {both:>16.3f}")
     # Square problems: both alignments of the causal mask agree, so SDPA is a fair peer.

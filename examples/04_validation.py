@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 import fmha
-from _common import done, header, qkv, sizes
 from fmha import numerics, reference
+
+from _common import done, header, qkv, sizes
 
 header("Example 04: validation against the float64 reference")
 B, Hq, Hk, S, D = sizes((2, 4, 2, 48, 32), (2, 16, 4, 1024, 128))

@@ -12,9 +12,10 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from _common import check, done, header, sizes
 from fmha import numerics, reference
 from fmha.numpy_api import attention
+
+from _common import check, done, header, sizes
 
 header("Example 05: numpy integration")
 B, H, S, D = sizes((1, 2, 40, 32), (2, 16, 2048, 128))

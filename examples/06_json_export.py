@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 import fmha
-from _common import DEVICE, done, header, qkv, run_checked, sizes
 from fmha import cli
+
+from _common import DEVICE, done, header, qkv, run_checked, sizes
 
 header("Example 06: registry JSON export / import")
 registry = fmha.default_registry()

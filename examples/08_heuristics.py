@@ -13,9 +13,10 @@ NoKernelError listing each refusal.
 import torch
 
 import fmha
-from _common import ON_GPU, done, header, qkv, run_checked, sizes
 from fmha import Algorithm, DType, Family, KernelConfig, Registry, Signature
 from fmha.configs import CPU, CUDA_ARCHS
+
+from _common import ON_GPU, done, header, qkv, run_checked, sizes
 
 header("Example 08: heuristics")
 archs = CUDA_ARCHS if ON_GPU else (CPU,)

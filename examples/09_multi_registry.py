@@ -11,6 +11,7 @@ backward (NoKernelError says why); merging it with flash_bwd can. Every run is c
 import torch
 
 import fmha
+
 from _common import done, grads_checked, header, qkv, run_checked, sizes
 
 header("Example 09: multiple registries")

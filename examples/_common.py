@@ -48,7 +48,7 @@ def _np(t):
 
 def check(name, out, truth, baseline, dtype):
     """numerics.compare, printed; raises AssertionError when the bound is exceeded."""
-    c = numerics.compare(name, out, torch.as_tensor(truth), baseline, dtype)
+    c = numerics.compare(name, out.detach(), torch.as_tensor(truth), baseline.detach(), dtype)
     print(f"    {c}")
     if not c.ok:
         raise AssertionError(str(c))
@@ -145,3 +145,63 @@ def header(title):
 
 def done(title="all checks passed"):
     print(f"OK: {title}")
+
+
+_KV_REF_KEYS = ("block_table", "cache_batch_idx", "rotary_cos", "rotary_sin", "rotary_interleaved", "scale",
+                "causal", "window", "mask_align", "sink_size", "alibi_slopes", "softcap", "sinks")
+
+
+def kvcache_checked(title, q, k_cache, v_cache, *, k=None, v=None, cache_seqlens, **kw):
+    """fmha.attention_with_kvcache on copies of the caches, checked against
+    fmha.reference.attention_with_kvcache (float64): o, lse and the updated caches.
+
+    The baseline of the 2x rule is plain torch attention at q's dtype, batch entry by
+    batch entry, over the keys the reference says are visible (q rotated like fmha's).
+    Returns (o, lse, k_cache, v_cache) of fmha.
+    """
+    print(f"  {title}")
+    kc, vc = k_cache.clone(), v_cache.clone()
+    o, lse = fmha.attention_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=cache_seqlens, return_lse=True, **kw)
+    as_np = {key: (_np(value) if key not in ("block_table", "cache_batch_idx") else value.cpu().numpy())
+             if isinstance(value, torch.Tensor) else value for key, value in kw.items() if key in _KV_REF_KEYS}
+    lens = cache_seqlens.cpu().numpy() if isinstance(cache_seqlens, torch.Tensor) else cache_seqlens
+    ro, rl, rk, rv = reference.attention_with_kvcache(_np(q), _np(k_cache), _np(v_cache), k=_np(k), v=_np(v),
+                                                      cache_seqlens=lens, **as_np)
+    # Baseline: per batch entry, torch at q's dtype over the keys that are visible.
+    batch, seqlen_q = q.shape[:2]
+    seen = np.broadcast_to(np.asarray(lens), (batch,)) + (0 if k is None else k.shape[1])
+    if kw.get("block_table") is not None:
+        keys = reference.paged_gather(rk, as_np["block_table"], seen)
+        values = reference.paged_gather(rv, as_np["block_table"], seen)
+    else:
+        rows = as_np.get("cache_batch_idx")
+        rows = np.arange(batch) if rows is None else rows
+        keys = [rk[rows[b], :seen[b]] for b in range(batch)]
+        values = [rv[rows[b], :seen[b]] for b in range(batch)]
+    qr = _np(q)
+    if kw.get("rotary_cos") is not None:
+        pos = np.asarray(seen - (k.shape[1]))[:, None] + np.arange(seqlen_q)[None]
+        qr = reference.apply_rotary(qr, as_np["rotary_cos"], as_np["rotary_sin"], positions=pos,
+                                    interleaved=kw.get("rotary_interleaved", False))
+    opts = {key: kw[key] for key in ("scale", "causal", "window", "mask_align", "sink_size", "softcap") if key in kw}
+    base_o, base_lse = [], []
+    for b in range(batch):
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(q.dtype).to(q.device).transpose(0, 1)[None]
+        alibi = kw.get("alibi_slopes")
+        if alibi is not None and alibi.dim() == 2:
+            alibi = alibi[b]
+        bo, bl = numerics.torch_attention(to(qr[b]), to(keys[b]), to(values[b]), alibi_slopes=alibi,
+                                          sinks=kw.get("sinks"), **opts)
+        base_o.append(bo[0].transpose(0, 1))
+        base_lse.append(bl[0])
+    check("o", o, torch.from_numpy(ro), torch.stack(base_o), q.dtype)
+    check("lse", lse, torch.from_numpy(rl), torch.stack(base_lse), torch.float32)
+    for name, ours, ref in (("k_cache", kc, rk), ("v_cache", vc, rv)):
+        err = numerics.max_abs_error(ours, torch.from_numpy(ref))
+        # New tokens are stored in the cache's dtype (rotated in fp32 first): one rounding.
+        rotated = name == "k_cache" and k is not None and kw.get("rotary_cos") is not None
+        tol = 2 * float(torch.finfo(q.dtype).eps) * max(1.0, float(np.abs(ref).max())) if rotated else 0.0
+        print(f"    {name}: max error {err:.3e} (allowed {tol:.1e})")
+        if err > tol:
+            raise AssertionError(f"{name} after the append differs from the reference by {err}")
+    return o, lse, kc, vc
