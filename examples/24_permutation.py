@@ -6,14 +6,14 @@ CK's examples choose whether inputs and outputs are (B, H, S, D) or (B, S, H, D)
 memory. fmha takes the logical layout as an argument and reads any memory order
 through strides; the output comes back in the input's logical layout. Here the same
 data is stored in four memory orders (bhsd, bshd, shbd, sbhd); each runs without a copy
-and gives bitwise the same answer, checked against the float64 truth.
+and gives the same answer (bitwise on the CPU), checked against the float64 truth.
 """
 
 import torch
 
 import fmha
 
-from _common import DEVICE, bhsd, done, header, randn, run_checked, sizes
+from _common import DEVICE, ON_GPU, bhsd, done, header, randn, run_checked, sizes
 
 header("Example 24: permutations")
 gen = torch.Generator().manual_seed(24)
@@ -32,9 +32,11 @@ for name, perm in orders.items():
     o = run_checked(f"memory {name}, q strides {views[0].stride()}, layout={layout}", *views, layout=layout,
                     causal=True)[0]
     results[name] = bhsd(o, layout)
-for name, o in results.items():
-    assert torch.equal(o, results["bhsd"]), f"{name} differs from bhsd"
-print("  all memory orders give bitwise the same output")
+gaps = {name: (o.float() - results["bhsd"].float()).abs().max().item() for name, o in results.items()}
+print(f"  largest difference to the bhsd run: {max(gaps.values()):.1e}")
+# The interpreter computes the same tiles in the same order whatever the strides: bitwise equal.
+# Compiled kernels may vectorise loads differently per stride pattern, so allow fp16 rounding there.
+assert all(g == 0 for g in gaps.values()) if not ON_GPU else all(g <= 1e-3 for g in gaps.values()), gaps
 # The output layout follows the input layout; the other one is a free view.
 o_bshd = fmha.attention(*[t.transpose(1, 2) for t in base], layout="bshd")
 assert o_bshd.shape == (B, S, H, D) and o_bshd.is_contiguous()

@@ -39,7 +39,7 @@ header("Example 32: torch.compile")
 gen = torch.Generator().manual_seed(32)
 torch.manual_seed(32)
 B, S, dim, heads, kv_heads = sizes((2, 24, 64, 4, 2), (4, 2048, 2048, 16, 4))
-dtype = torch.float16 if ON_GPU else torch.float32
+dtype = torch.float32  # compiled and eager then agree to fp32 rounding
 block = Block(dim, heads, kv_heads).to(DEVICE, dtype)
 x = randn(B, S, dim, dtype=dtype, gen=gen).requires_grad_()
 backend = "inductor" if ON_GPU else "aot_eager"
@@ -50,7 +50,7 @@ out = compiled(x)
 (dx,) = torch.autograd.grad(out.float().sum(), x)
 gap_o = (out.float() - eager_out.float()).abs().max().item()
 gap_dx = (dx.float() - eager_dx.float()).abs().max().item()
-tol = 2e-2 if ON_GPU else 1e-5
+tol = 1e-4 if ON_GPU else 1e-5  # inductor may reorder fp32 reductions
 print(f"  backend={backend}: |compiled - eager| output {gap_o:.2e}, input grad {gap_dx:.2e} (allowed {tol})")
 assert gap_o <= tol and gap_dx <= tol
 

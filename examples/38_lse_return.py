@@ -34,7 +34,7 @@ assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5)
 recon = p @ v
 gap = (recon - o[..., rows, :]).abs().max().item()
 print(f"  P @ V from lse vs o: {gap:.1e}")
-assert gap <= 1e-5
+assert gap <= 5e-5
 
 # lse of the layouts and entry points.
 _, lse_bshd = fmha.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout="bshd",
