@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +29,28 @@ def test_examples_are_found():
     assert len(SCRIPTS) >= 30, [p.name for p in SCRIPTS]
 
 
+TIMEOUT_S = 300  # per example; they take seconds on an idle core
+
+
+def _timed_out(signum, frame):
+    raise TimeoutError(f"the example ran longer than {TIMEOUT_S} s")
+
+
 @pytest.fixture
 def example_env(monkeypatch):
+    """Examples on the CPU (even where CUDA exists), fresh `_common`, a time limit."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delitem(sys.modules, "_common", raising=False)  # re-read DEVICE under the patch
     monkeypatch.syspath_prepend(str(EXAMPLES))
     monkeypatch.setattr(sys, "argv", ["example"])
-    yield
-    fmha.set_dispatcher(None)  # an example that fails half-way must not leak its registry
+    previous = signal.signal(signal.SIGALRM, _timed_out)
+    signal.alarm(TIMEOUT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        fmha.set_dispatcher(None)  # an example that fails half-way must not leak its registry
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
@@ -41,7 +58,8 @@ def test_example_runs_and_validates(script, example_env, capsys):
     torch.manual_seed(0)
     runpy.run_path(str(script), run_name="__main__")
     out = capsys.readouterr().out
-    assert "OK:" in out.splitlines()[-1], out[-2000:]
+    assert "(device: cpu," in out, out[:500]
+    assert out.splitlines()[-1].startswith("OK:"), out[-2000:]
 
 
 def test_an_example_runs_as_a_standalone_script():
