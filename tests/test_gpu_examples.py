@@ -1,7 +1,7 @@
 """Every example on the GPU, at its realistic sizes (`pytest -m gpu tests/test_gpu_examples.py`).
 
 The examples run as separate processes, several at a time (Triton's compilation is
-CPU-bound and the GPU has room for them): FMHA_EXAMPLES_JOBS (default 6). With
+CPU-bound and the GPU has room for them): FMHA_EXAMPLES_JOBS (default 8). With
 FMHA_EXAMPLES_OUT=DIR each example's output is written to DIR/NN_name.log, with a
 summary.json of exit codes and times.
 """
@@ -39,7 +39,7 @@ def _run(script: Path) -> tuple[str, int, float, str]:
 def test_every_example_passes_on_the_gpu():
     import torch
     assert torch.cuda.is_available()
-    jobs = int(os.environ.get("FMHA_EXAMPLES_JOBS", 6))
+    jobs = int(os.environ.get("FMHA_EXAMPLES_JOBS", 8))
     with ThreadPoolExecutor(jobs) as pool:
         results = list(pool.map(_run, SCRIPTS))
     out = os.environ.get("FMHA_EXAMPLES_OUT")
