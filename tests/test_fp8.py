@@ -16,6 +16,7 @@ import torch
 import fmha
 from fmha import reference
 from fmha.fp8 import dequantize_fp8, quantize_fp8
+
 from fp8_testing import bound as fp8_bound
 from fp8_testing import check_close, probabilities, quantized, run_and_check
 

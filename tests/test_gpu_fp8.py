@@ -11,6 +11,7 @@ import torch
 import fmha
 from fmha import numerics
 from fmha.fp8 import dequantize_fp8, quantize_fp8
+
 from fp8_testing import bound, check_close, quantized, run_and_check
 
 pytestmark = pytest.mark.gpu

@@ -1,0 +1,1 @@
+"""Integrations of fmha with other libraries (import the submodule you need)."""
