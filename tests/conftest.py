@@ -1,9 +1,18 @@
 """Shared fixtures. GPU tests (`-m gpu`, `-m gpu2`) fail loudly without the GPUs instead of skipping."""
 
+import os
 import secrets
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """With FMHA_TEST_SPREAD_GPUS=1, pytest-xdist workers take turns over the visible GPUs
+    (device "cuda" is the current device), so a multi-GPU host runs `-m gpu` in parallel."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if os.environ.get("FMHA_TEST_SPREAD_GPUS") == "1" and worker.startswith("gw") and torch.cuda.is_available():
+        torch.cuda.set_device(int(worker[2:]) % torch.cuda.device_count())
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected what it deselects
