@@ -16,6 +16,10 @@ from rich.console import Console
 
 from fmha import sweeps
 
+from _common import done, header
+
+header("07 stress: random problems against float64")
+
 device = "cuda" if torch.cuda.is_available() else "cpu"
 seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
 on_gpu = device == "cuda"
@@ -29,4 +33,4 @@ for r in failed:
 if failed:
     raise SystemExit(f"{len(failed)} of {len(rows)} random problems failed their check")
 what = "forward and backward" if on_gpu else "forward"
-print(f"stress on {device}, seed {seed}: all {len(rows)} random problems match the float64 truth ({what})")
+done(f"stress on {device}, seed {seed}: all {len(rows)} random problems match the float64 truth ({what})")

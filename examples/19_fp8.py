@@ -21,6 +21,10 @@ import torch
 import fmha
 from fmha import reference
 
+from _common import done, header
+
+header("19 fp8 attention")
+
 device = "cuda" if torch.cuda.is_available() else "cpu"
 B, Hq, Hk, S, D = (2, 4, 2, 40, 32) if device == "cpu" else (2, 8, 2, 1024, 128)
 print(f"Example 19: fp8 attention on {device}, B={B} Hq={Hq} Hk={Hk} S={S} D={D}")
@@ -50,4 +54,4 @@ for granularity in ("tensor", "head", "block"):
 print(fmha.explain(q8, k8, v8, causal=True).splitlines()[1])
 if failures:
     sys.exit(f"{failures} fp8 checks failed")
-print("fp8 forward matches the float64 reference within the e4m3 bound")
+done("fp8 forward matches the float64 reference within the e4m3 bound")

@@ -21,6 +21,10 @@ import fmha
 from fmha import reference
 from fmha.compat.flash_attn import flash_attn_varlen_func
 
+from _common import done, header
+
+header("22 batch prefill over a paged cache")
+
 device = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = device == "cuda"
 dtype = torch.bfloat16 if gpu else torch.float32
@@ -84,4 +88,4 @@ o2 = flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
 diff = float((o.float() - o2.float()).abs().max())
 if not diff < tol:
     raise SystemExit(f"flash_attn_varlen_func(block_table=...) differs from attention_with_kvcache by {diff}")
-print(f"flash_attn_varlen_func(block_table=...) gives the same output (max difference {diff:.1e}): ok")
+done(f"flash_attn_varlen_func(block_table=...) gives the same output (max difference {diff:.1e}): ok")

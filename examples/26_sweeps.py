@@ -15,6 +15,10 @@ from rich.console import Console
 
 from fmha import sweeps
 
+from _common import done, header
+
+header("26 sweeps")
+
 device = "cuda" if torch.cuda.is_available() else "cpu"
 on_cpu = device == "cpu"
 out_dir = Path(tempfile.mkdtemp(prefix="fmha_sweeps_"))
@@ -40,4 +44,4 @@ for axis, values in plan.items():
     print(f"{axis}: {len(rows)} points, {checked} checked against float64, plot {out_dir / f'{axis}.png'}")
 if failed:
     raise SystemExit(f"{failed} sweep points failed")
-print(f"sweeps on {device}: every point ran and every checked point matches the float64 truth")
+done(f"sweeps on {device}: every point ran and every checked point matches the float64 truth")

@@ -281,7 +281,8 @@ def test_a_truncated_cubin_is_evicted_and_recompiled_at_launch(rng, tmp_path, mo
     fwd = loader.family_module("fwd", interpreted=False)
     module = fwd._module
     kernel_cache.clear_jit_caches(kernel_cache.jit_functions(module))  # compile into tmp_path
-    q, k, v = (randn((1, 2, 300, 64), torch.float16, rng, CUDA) for _ in range(3))
+    # Head dim 72: the Triton forward (the Gluon one serves 64/128/256 on sm90).
+    q, k, v = (randn((1, 2, 300, 72), torch.float16, rng, CUDA) for _ in range(3))
     want = fmha.attention(q, k, v, causal=True)
     cubins = list(tmp_path.rglob("*.cubin"))
     assert cubins, "the forward kernel should have been compiled into the test's cache"
@@ -329,7 +330,7 @@ def test_random_problems_at_gpu_sizes(case):
     top-left alignment on the CPU, tests/test_properties.py)."""
     note(str(case))
     gen = torch.Generator().manual_seed(case["seed"])
-    B, Hq, Hk, Sq, Sk, D = (case[n] for n in ("batch", "nhead_q", "nhead_k", "seqlen_q", "seqlen_k")) + (128,)
+    B, Hq, Hk, Sq, Sk, D = tuple(case[n] for n in ("batch", "nhead_q", "nhead_k", "seqlen_q", "seqlen_k")) + (128,)
 
     def make(h, s):
         shape = (B, h, s, D) if case["layout"] == "bhsd" else (B, s, h, D)

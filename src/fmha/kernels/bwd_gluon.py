@@ -31,7 +31,7 @@ LOG2E = gl.constexpr(1.4426950408889634)
 NUM_WARPS = gl.constexpr(8)
 # Issue the next tile's S^T and dP^T before this tile's dQ atomics, so they overlap
 # (a module switch so that tools/bench_gluon_bwd.py can time both schedules).
-OVERLAP_NEXT_TILE = True
+OVERLAP_NEXT_TILE = False
 
 
 @gluon.constexpr_function
