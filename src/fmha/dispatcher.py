@@ -9,6 +9,7 @@ candidate and its reasons.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -107,6 +108,12 @@ class SplitPolicy:
         return next(s for s in range(1, limit + 1) if efficiency(s) >= self.efficiency * best)
 
 
+@functools.lru_cache(maxsize=4096)
+def _cached_splits(policy: SplitPolicy, programs: int, key_tiles: int, sm_count: int) -> int:
+    # The policy's search costs ~50 us of Python; decode calls repeat a few shapes.
+    return policy.splits(programs, key_tiles, sm_count)
+
+
 class Dispatcher:
     def __init__(self, registry: Registry | None = None, heuristic: Heuristic | None = None,
                  tuning: TuningDB | None = None, split_policy: SplitPolicy | None = None):
@@ -174,7 +181,7 @@ class Dispatcher:
         seqlen_k is the problem's (a capacity or an estimate: lengths stay on the device)."""
         group = problem.nhead_q // problem.nhead_k
         programs = problem.batch * problem.nhead_k * -(-(problem.seqlen_q * group) // block_m)
-        return self.split_policy.splits(programs, -(-problem.seqlen_k // block_n), sm_count)
+        return _cached_splits(self.split_policy, programs, -(-problem.seqlen_k // block_n), sm_count)
 
     def _plan(self, problem: Problem, families: Sequence[Family]) -> Plan:
         launches = []
