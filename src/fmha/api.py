@@ -105,9 +105,46 @@ _OP_ARGS = ("bias", "alibi_slopes", "sinks", "cu_seqlens_q", "cu_seqlens_k", "se
             "deterministic")
 
 
+def _meta(t: Tensor | None):
+    """What validation and the Problem read of a tensor: its metadata (and TMA alignment)."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.device.type == "meta" or t.data_ptr() % 16 == 0)
+
+
+# Dense calls repeat a few shapes: their validation + Problem (metadata only: dense checks
+# read no values) is cached by the tensors' metadata and the scalars. Varlen calls check
+# cu_seqlens values on the CPU and are never cached.
+_PREPARED: dict = {}
+_PREPARED_MAX = 4096
+
+
 def _prepare(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
              max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left, window_right,
              mask_align, sink_size, softcap, dropout_p, seed, offset, deterministic) -> _Prepared:
+    key = None
+    if cu_seqlens_q is None and cu_seqlens_k is None and seqused_k is None:
+        key = (_meta(q), _meta(k), _meta(v), _meta(bias), _meta(alibi_slopes), _meta(sinks), max_seqlen_q,
+               max_seqlen_k, layout, scale, causal, window_left, window_right, mask_align, sink_size, softcap,
+               dropout_p, deterministic)
+        hit = _PREPARED.get(key)
+        if hit is not None:
+            problem, scale = hit
+            qv, kv, vv = (t.transpose(1, 2) if problem.layout == "bshd" else t for t in (q, k, v))
+            return _Prepared(problem, qv, kv, vv, scale)
+    prep = _validate_and_describe(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                  max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left, window_right,
+                                  mask_align, sink_size, softcap, dropout_p, deterministic)
+    if key is not None:
+        if len(_PREPARED) >= _PREPARED_MAX:
+            _PREPARED.clear()
+        _PREPARED[key] = (prep.problem, prep.scale)
+    return prep
+
+
+def _validate_and_describe(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                           max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left, window_right,
+                           mask_align, sink_size, softcap, dropout_p, deterministic) -> _Prepared:
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     ndim = 3 if varlen else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
