@@ -1,5 +1,5 @@
-"""Backward side by side: fmha (Gluon dK/dV where the dispatcher picks it; also without the
-next-tile overlap), fmha with the Triton dK/dV (a registry without Gluon backward configs), SDPA cuDNN and SDPA flash.
+"""Backward side by side: fmha (Gluon dK/dV where the dispatcher picks it), fmha with the
+Triton dK/dV (a registry without Gluon backward configs), SDPA cuDNN and SDPA flash.
 
 Times the backward only (autograd.grad with the graph retained), B=4 H=16, S 4096/8192,
 D 64/128, bf16, causal and not, plus GQA 4x32/8 at 8192. Contenders alternate per round.
@@ -22,7 +22,6 @@ import fmha
 from fmha import Registry, default_registry
 from fmha.configs import Family
 from fmha.dispatcher import Dispatcher
-from fmha.kernels import bwd_gluon
 
 TRITON_BWD = Dispatcher(Registry([c for c in default_registry()
                                   if not (c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon)],
@@ -47,9 +46,8 @@ def main() -> int:
         flops = 2.5 * 4.0 * b * hq * s * s * d / (2 if causal else 1)
         extra = {"enable_gqa": True} if hq != hk else {}
         graphs, grads, times = {}, {}, {}
-        for name in ("fmha", "fmha_no_overlap", "fmha_triton", "cudnn", "flash"):
+        for name in ("fmha", "fmha_triton", "cudnn", "flash"):
             fmha.set_dispatcher(TRITON_BWD if name == "fmha_triton" else None)
-            bwd_gluon.OVERLAP_NEXT_TILE = name != "fmha_no_overlap"
             if name.startswith("fmha"):
                 o = fmha.attention(q, k, v, causal=causal)
             else:
@@ -65,11 +63,9 @@ def main() -> int:
         for _ in range(rounds):
             for name, o in graphs.items():
                 fmha.set_dispatcher(TRITON_BWD if name == "fmha_triton" else None)
-                bwd_gluon.OVERLAP_NEXT_TILE = name != "fmha_no_overlap"
                 times[name].append(triton.testing.do_bench(
                     lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), warmup=25, rep=100))
             fmha.set_dispatcher(None)
-            bwd_gluon.OVERLAP_NEXT_TILE = True
         tflops = {n: flops / (statistics.median(t) * 1e-3) / 1e12 for n, t in times.items()}
         row = {"shape": f"B={b} Hq={hq} Hk={hk} S={s} D={d} {'causal' if causal else 'full'}", "tflops": tflops,
                "max_abs_diff_vs_cudnn": diffs}
@@ -81,7 +77,7 @@ def main() -> int:
             {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
              "rows": rows}, indent=1))
         del graphs, grads
-    for name in ("fmha", "fmha_no_overlap", "fmha_triton", "flash"):
+    for name in ("fmha", "fmha_triton", "flash"):
         ratios = [r["tflops"][name] / r["tflops"]["cudnn"] for r in rows]
         print(f"geomean {name}/cudnn: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}")
     return 0

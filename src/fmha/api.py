@@ -68,15 +68,11 @@ def _arch_of(device: torch.device) -> str:
 
 
 def _tma_aligned(*tensors: Tensor) -> bool:
-    """Base pointers and all but the last (unit) stride 16-byte aligned: TMA can load them."""
-    for t in tensors:
-        size = t.element_size()
-        if t.stride(-1) != 1 or (t.device.type != "meta" and t.data_ptr() % 16):
-            return False
-        for extent, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True):
-            if (stride * size) % 16 or (extent > 1 and stride <= 0):  # broadcast views: not for TMA
-                return False
-    return True
+    """What TMA descriptors can address (kernels/gluon_common). Imported on first use:
+    `import fmha` does not import Triton."""
+    from .kernels.gluon_common import tma_aligned
+
+    return tma_aligned(*tensors)
 
 
 def _algorithm_args(config: KernelConfig) -> dict:

@@ -136,24 +136,19 @@ def _config(family, dtypes, archs, head_dim_max, block_m, block_n, warps, stages
     )
 
 
-def _gluon_fwd_config(head_dim, block_n, stages, pipeline, notes):
-    """A Hopper Gluon forward config (kernels/fwd_gluon.py): 128-row tiles, two consumer
-    warpgroups, 4 warps in the config (the producer warp and the second warpgroup are added)."""
-    return KernelConfig(
-        Signature(Family.FWD, (DType.FP16, DType.BF16), ("sm90",), head_dim, head_dim,
-                  frozenset({Feature.MASK, Feature.GQA, Feature.DETERMINISTIC}), head_dims=(head_dim,),
-                  sliding_window=False, needs_tma=True),
-        Algorithm(128, block_n, 4, stages, pipeline=pipeline), notes=notes)
+_GLUON_FEATURES = frozenset({Feature.MASK, Feature.GQA})
 
 
-def _gluon_bwd_config(head_dim, stages, notes):
-    """A Hopper Gluon dK/dV (+ atomic dQ) config (kernels/bwd_gluon.py): 128 keys x 64 queries,
-    8 warps. Atomics: not for deterministic problems."""
+def _gluon_config(family, head_dim, block_m, block_n, warps, stages, pipeline, notes,
+                  features=_GLUON_FEATURES):
+    """A Hopper Gluon config: fp16/bf16, one head dim (Dqk == Dv), causal or no mask, TMA.
+    Forward (kernels/fwd_gluon.py): 128-row tiles, 4 warps in the config (the producer warp
+    and the second consumer warpgroup are added). dK/dV (kernels/bwd_gluon.py): 128 keys x
+    64 queries, 8 warps, dQ by atomics (so not for deterministic problems)."""
     return KernelConfig(
-        Signature(Family.BWD_DQ_DK_DV, (DType.FP16, DType.BF16), ("sm90",), head_dim, head_dim,
-                  frozenset({Feature.MASK, Feature.GQA}), head_dims=(head_dim,),
-                  sliding_window=False, needs_tma=True),
-        Algorithm(64, 128, 8, stages, pipeline=Pipeline.GLUON), notes=notes)
+        Signature(family, (DType.FP16, DType.BF16), ("sm90",), head_dim, head_dim, features,
+                  head_dims=(head_dim,), sliding_window=False, needs_tma=True),
+        Algorithm(block_m, block_n, warps, stages, pipeline=pipeline), notes=notes)
 
 
 def _family_configs(family, rows):
@@ -171,13 +166,14 @@ def default_registry() -> Registry:
     fp8_archs = tuple(a for a in CUDA_ARCHS if a not in ("sm80", "sm86", "sm87"))
     # Rows: (dtypes, archs, head_dim_max, block_m, block_n, warps, stages[, head_dim_min]).
     # The interpreter's tiles are small so that small test problems cross tile borders.
-    # Gluon (Hopper) first: 0.94-1.03x cuDNN where plain Triton reaches 0.55-0.78x (H200,
+    # Gluon (Hopper) first: 0.90-1.02x cuDNN where plain Triton reaches 0.48-0.80x (H200,
     # 2026-11-30, docs/performance.md). Ping-pong helped at D=128/256 and cost 2-3% at D=64.
-    pp = Pipeline.GLUON_WS_PINGPONG
+    pp, ws = Pipeline.GLUON_WS_PINGPONG, "FA3-style warp-specialized forward"
+    fwd_features = _GLUON_FEATURES | {Feature.DETERMINISTIC}  # the forward has no atomics
     configs = [
-        _gluon_fwd_config(64, 128, 3, Pipeline.GLUON_WS, "FA3-style warp-specialized forward"),
-        _gluon_fwd_config(128, 128, 2, pp, "FA3-style warp-specialized forward, ping-pong"),
-        _gluon_fwd_config(256, 64, 2, pp, "FA3-style warp-specialized forward, ping-pong"),
+        _gluon_config(Family.FWD, 64, 128, 128, 4, 3, Pipeline.GLUON_WS, ws, fwd_features),
+        _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong", fwd_features),
+        _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong", fwd_features),
     ]
     configs += _family_configs(Family.FWD, [
         (half, cuda, 64, 128, 64, 4, 3),
@@ -204,8 +200,9 @@ def default_registry() -> Registry:
     configs += _family_configs(Family.BWD_DOT_DO_O, [
         (every, cuda, 256, 64, 16, 4, 1), (with_fp64, cpu, 256, 32, 16, 4, 1)])
     # dK/dV: block_n is the program's key tile, block_m the query tile it loops over.
-    configs += [_gluon_bwd_config(64, 3, "FA3-style backward: wgmma, TMA ring, dQ by atomics"),
-                _gluon_bwd_config(128, 2, "FA3-style backward: wgmma, TMA ring, dQ by atomics")]
+    bwd_notes = "FA3-style backward: wgmma, TMA ring, dQ by atomics"
+    configs += [_gluon_config(Family.BWD_DQ_DK_DV, 64, 64, 128, 8, 3, Pipeline.GLUON, bwd_notes),
+                _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 2, Pipeline.GLUON, bwd_notes)]
     configs += _family_configs(Family.BWD_DQ_DK_DV, [
         # H200, 2026-11-29: m32 n64 w4 s3 runs 256/223 TFLOP/s (m64 n128 w8 s2: 152/116), but
         # with block_m=32 dK is not bitwise reproducible run to run even without atomics

@@ -27,22 +27,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .gluon_common import acc_layout, descriptor, descriptor_type
+
 LOG2E = gl.constexpr(1.4426950408889634)
 NUM_WARPS = gl.constexpr(8)
-# Issue the next tile's S^T and dP^T before this tile's dQ atomics, so they overlap
-# (a module switch so that tools/bench_gluon_bwd.py can time both schedules).
-OVERLAP_NEXT_TILE = False
-
-
-@gluon.constexpr_function
-def _acc_layout(rows, cols, num_warps):
-    """wgmma accumulator layout of a [rows, cols] tile: warps down the rows first."""
-    wm = min(num_warps, rows // 16)
-    wn = num_warps // wm
-    n = 256
-    while n > cols // wn or (cols // wn) % n != 0:
-        n -= 8
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, n, 16])
 
 
 @gluon.jit
@@ -67,11 +55,11 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr,
                     stride_dvb, stride_dvh, stride_dvn,
                     seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale,
                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
-    st_layout: gl.constexpr = _acc_layout(BLOCK_N, BLOCK_M, NUM_WARPS)  # S^T, dP^T: keys x queries
-    kv_layout: gl.constexpr = _acc_layout(BLOCK_N, HEAD_DIM, NUM_WARPS)  # dK, dV
-    dq_layout: gl.constexpr = _acc_layout(BLOCK_M, HEAD_DIM, NUM_WARPS)
+    st_layout: gl.constexpr = acc_layout(BLOCK_N, BLOCK_M, NUM_WARPS)  # S^T, dP^T: keys x queries
+    kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, NUM_WARPS)  # dK, dV
+    dq_layout: gl.constexpr = acc_layout(BLOCK_M, HEAD_DIM, NUM_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
@@ -119,25 +107,15 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr,
     dq_rows_base = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
     mbarrier.wait(kv_bar, 0)
-    if OVERLAP:  # S^T and dP^T of the first tile; later ones are issued a tile ahead
-        mbarrier.wait(ready.index(0), 0, pred=total > 0)
-        st = warpgroup_mma(k_smem, q_smem.index(0).permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_smem, do_smem.index(0).permute((1, 0)), st_zero, use_acc=False, is_async=True)
     for it in range(total):
         stage = it % STAGES
         h = hq0 + it // n_m
         m0 = (m_start + it % n_m) * BLOCK_M
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
-        if OVERLAP:
-            gl.thread_barrier()  # every warp is past iteration it-1: its stage is free
-            if it + STAGES - 1 < total:
-                _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it + STAGES - 1, m_start, n_m, hq0, b,
-                           BLOCK_M, STAGES)
-        else:
-            mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-            st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+        st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
         q_ok = queries < seqlen_q
         b64 = b.to(gl.int64)
@@ -166,25 +144,15 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr,
         ds_buf.store(dst16)
         fence_async_shared()
         gl.thread_barrier()  # dS^T complete in shared memory; every warp is past iteration it-1
-        if not OVERLAP:
-            if it + STAGES - 1 < total:  # the stage of iteration it-1 is free: prefetch ahead
-                _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it + STAGES - 1, m_start, n_m, hq0, b,
-                           BLOCK_M, STAGES)
+        if it + STAGES - 1 < total:  # the stage of iteration it-1 is free: prefetch ahead
+            _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it + STAGES - 1, m_start, n_m, hq0, b,
+                       BLOCK_M, STAGES)
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-        if OVERLAP:  # the next tile's S^T and dP^T run on the tensor cores during the atomics
-            nxt = it + 1
-            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < total)
-            st = warpgroup_mma(k_smem, q_smem.index(nxt % STAGES).permute((1, 0)), st_zero, use_acc=False,
-                               is_async=True)
-            dpt = warpgroup_mma(v_smem, do_smem.index(nxt % STAGES).permute((1, 0)), st_zero, use_acc=False,
-                                is_async=True)
         dq_rows = m0 + dq_rows_base
         dq_offs = (b.to(gl.int64) * stride_dqb + h * stride_dqh + dq_rows[:, None] * stride_dqm
                    + dq_cols[None, :])
         gl.atomic_add(dq_ptr + dq_offs, dq, mask=(dq_rows < seqlen_q)[:, None], sem="relaxed")
-    if OVERLAP:  # the products issued after the last tile read stale stages: drain them
-        st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
 
     kv_rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     kv_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -195,15 +163,6 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr,
              + kv_cols[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_ok)
 
 
-def _descriptor(t, block_rows: int):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    element = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(t.dtype)]
-    block = [1, 1, block_rows, t.shape[-1]]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
-                            gl.NVMMASharedLayout.get_default_for(block, element))
-
-
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_bottom_right: bool,
                 scale: float, block_m: int, block_n: int, num_stages: int) -> None:
     """(B, H, S, D) views; lse/delta (B, Hq, Sq) fp32; dq_acc fp32 (B, Hq, Sq, D) view, zeroed."""
@@ -212,29 +171,25 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
     grid = (triton.cdiv(seqlen_k, block_n) * batch * nheads_k,)
     bwd_dkdv_kernel[grid](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m),
         lse, delta, dq_acc, dk, dv, *lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3],
         *dv.stride()[:3],
         seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale,
         CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-        OVERLAP=OVERLAP_NEXT_TILE, num_warps=NUM_WARPS.value,
+        num_warps=NUM_WARPS.value,
     )
 
 
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
                  causal: bool) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `bwd_dkdv_kernel` as `launch_dkdv` calls it."""
-    element = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
+    def desc(rows):
+        return descriptor_type(dtype, rows, head_dim)
 
-    def descriptor(rows):
-        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], element)
-        return f"tensordesc<{dtype}[1,1,{rows},{head_dim}],{layout!r}>"
-
-    types = {"q_desc": descriptor(block_m), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
-             "do_desc": descriptor(block_m), "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32",
+    types = {"q_desc": desc(block_m), "k_desc": desc(block_n), "v_desc": desc(block_n),
+             "do_desc": desc(block_m), "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32",
              "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}", "qk_scale": "fp32", "scale": "fp32"}
-    constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-                      OVERLAP=OVERLAP_NEXT_TILE)
+    constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages)
     # In the kernel's argument order; the other arguments are strides and sizes (i32).
     signature = {name: types.get(name, "i32") for name in bwd_dkdv_kernel.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))

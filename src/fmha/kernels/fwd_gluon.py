@@ -33,6 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .gluon_common import acc_layout, descriptor, descriptor_type, tma_aligned
+
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
 # scale 0 would give -inf * 0 = NaN on masked keys; 1e-30 changes no logit by an fp32 ulp.
@@ -41,15 +43,6 @@ TINY_SCALE = 1e-30
 # producer gives its share to the consumers (setmaxnreg), as FlashAttention-3 does.
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
-
-
-@gluon.constexpr_function
-def _acc_layout(cols, num_warps):
-    """wgmma accumulator layout for a [16 * num_warps, cols] tile: widest instruction N."""
-    n = 256
-    while n > cols or cols % n != 0:
-        n -= 8
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
 
 
 @gluon.jit
@@ -108,8 +101,8 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
      seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale) = args
     dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = _acc_layout(BLOCK_N, 4)
-    o_layout: gl.constexpr = _acc_layout(HEAD_DIM, 4)
+    s_layout: gl.constexpr = acc_layout(WG_ROWS, BLOCK_N, 4)
+    o_layout: gl.constexpr = acc_layout(WG_ROWS, HEAD_DIM, 4)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -263,24 +256,6 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _descriptor(t, block_rows: int):
-    """A 4-d TMA descriptor over a (B, H, S, D) view; loads of one (b, h) row block."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    block = [1, 1, block_rows, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
-def _gl_dtypes():
-    import torch
-
-    return {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-
-
-_GL_DTYPES = _gl_dtypes()
-
-
 def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: float,
            block_m: int, block_n: int, num_stages: int, pingpong: bool = True,
            consumer_regs: int = CONSUMER_REGS, producer_regs: int = PRODUCER_REGS,
@@ -291,12 +266,11 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
     grid = (triton.cdiv(seqlen_q, block_m) * batch * nheads_q,)
-    q_desc = _descriptor(q, WG_ROWS.value)
-    o_tma = o.dtype == q.dtype and o.stride(-1) == 1 and o.data_ptr() % 16 == 0 and all(
-        (st * o.element_size()) % 16 == 0 and st > 0 for st in o.stride()[:-1])
+    q_desc = descriptor(q, WG_ROWS.value)
+    o_tma = o.dtype == q.dtype and tma_aligned(o)
     fwd_ws_kernel[grid](
-        q_desc, _descriptor(k, block_n), _descriptor(v, block_n),
-        _descriptor(o, WG_ROWS.value) if o_tma else q_desc,  # unused without O_TMA
+        q_desc, descriptor(k, block_n), descriptor(v, block_n),
+        descriptor(o, WG_ROWS.value) if o_tma else q_desc,  # unused without O_TMA
         o, *o.stride()[:3], lse, *lse.stride(),
         seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE),
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, BLOCK_M=block_m,
@@ -309,14 +283,11 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
                  causal: bool, pingpong: bool) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `fwd_ws_kernel` as `launch` calls it, for an
     ahead-of-time compile (fmha kernels build) without a GPU. dtype: "fp16" or "bf16"."""
-    element = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
+    def desc(rows):
+        return descriptor_type(dtype, rows, head_dim)
 
-    def descriptor(rows):
-        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], element)
-        return f"tensordesc<{dtype}[1,1,{rows},{head_dim}],{layout!r}>"
-
-    types = {"q_desc": descriptor(WG_ROWS.value), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
-             "o_desc": descriptor(WG_ROWS.value), "o_ptr": f"*{dtype}", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    types = {"q_desc": desc(WG_ROWS.value), "k_desc": desc(block_n), "v_desc": desc(block_n),
+             "o_desc": desc(WG_ROWS.value), "o_ptr": f"*{dtype}", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=True, PINGPONG=pingpong, BLOCK_M=block_m,
                       BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS,
                       PRODUCER_REGS=PRODUCER_REGS)

@@ -1,0 +1,56 @@
+"""Host and layout helpers shared by the Hopper Gluon kernels (fwd_gluon, bwd_gluon):
+wgmma accumulator layouts, TMA descriptors over (B, H, S, D) views, their compile-time
+signature strings, and the alignment rule TMA imposes."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+_ELEMENTS = {"fp16": gl.float16, "bf16": gl.bfloat16}
+_TORCH_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}
+
+
+@gluon.constexpr_function
+def acc_layout(rows, cols, num_warps):
+    """wgmma accumulator layout of a [rows, cols] tile: warps down the rows first (16 rows
+    per warp), then across the columns; the widest instruction N that divides a warp's columns."""
+    wm = min(num_warps, rows // 16)
+    wn = num_warps // wm
+    n = 256
+    while n > cols // wn or (cols // wn) % n != 0:
+        n -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, n, 16])
+
+
+def tma_aligned(*tensors) -> bool:
+    """Base pointers and all but the last (unit) stride 16-byte aligned, no broadcast
+    (stride 0) dimension of extent > 1: what a TMA descriptor can address."""
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or (t.device.type != "meta" and t.data_ptr() % 16):
+            return False
+        for extent, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True):
+            if (stride * size) % 16 or (extent > 1 and stride <= 0):
+                return False
+    return True
+
+
+def _shared_layout(element, rows: int, head_dim: int):
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], element)
+
+
+def descriptor(t, block_rows: int):
+    """A 4-d TMA descriptor over a (B, H, S, D) view: loads/stores of one (b, h) row block."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    element = _ELEMENTS[_TORCH_NAMES[str(t.dtype)]]
+    block = [1, 1, block_rows, t.shape[-1]]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                            _shared_layout(element, block_rows, t.shape[-1]))
+
+
+def descriptor_type(dtype: str, block_rows: int, head_dim: int) -> str:
+    """The signature string of `descriptor(t, block_rows)` for an ahead-of-time compile."""
+    layout = _shared_layout(_ELEMENTS[dtype], block_rows, head_dim)
+    return f"tensordesc<{dtype}[1,1,{block_rows},{head_dim}],{layout!r}>"
