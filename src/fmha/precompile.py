@@ -226,15 +226,9 @@ def shared_memory_limit(arch: str) -> int:
 
 def triton_cache_dir() -> str:
     """Triton's on-disk cache directory (TRITON_CACHE_DIR, or ~/.triton/cache)."""
-    try:
-        import triton
+    from . import kernel_cache
 
-        directory = triton.knobs.cache.dir
-        if directory:
-            return str(directory)
-    except Exception:  # a Triton without knobs.cache.dir
-        pass
-    return os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return str(kernel_cache.cache_dir())
 
 
 def default_record_path() -> Path:
