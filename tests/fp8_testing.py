@@ -149,3 +149,27 @@ def run_and_check(q, k, v, *, dtype=torch.float8_e4m3fn, granularity="tensor", b
     ratio = check_close("o", ob, o_ref, o_tol)
     check_close("lse", lse, lse_ref, lse_tol)
     return ratio
+
+
+def run_and_check_varlen(q, k, v, seqs_q, seqs_k, *, block_size, dtype=torch.float8_e4m3fn,
+                         out_dtype=torch.float32, gpu=False, causal=True):
+    """Packed q, k quantized per block of `block_size` positions of each sequence, v per
+    head; fmha.attention_varlen in fp8; o and lse of each sequence checked against the bound."""
+    cu_q = torch.tensor(np.cumsum([0] + list(seqs_q)), dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor(np.cumsum([0] + list(seqs_k)), dtype=torch.int32, device=q.device)
+    q8, qd = quantize_fp8(q, dtype, "block", block_size, cu_seqlens=cu_q)
+    k8, kd = quantize_fp8(k, dtype, "block", block_size, cu_seqlens=cu_k)
+    v8, vd = quantize_fp8(v, dtype, "head", cu_seqlens=cu_k)
+    o, lse = fmha.attention_varlen(q8, k8, v8, cu_q, cu_k, max(seqs_q), max(seqs_k), causal=causal,
+                                   q_descale=qd, k_descale=kd, v_descale=vd, descale_block_size=block_size,
+                                   return_lse=True, out_dtype=out_dtype)
+    qf = dequantize_fp8(q8, qd, block_size=block_size, cu_seqlens=cu_q).double()
+    kf = dequantize_fp8(k8, kd, block_size=block_size, cu_seqlens=cu_k).double()
+    vf = dequantize_fp8(v8, vd, cu_seqlens=cu_k).double()
+    for b in range(len(seqs_q)):
+        sq, sk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        o_ref, lse_ref, o_tol, lse_tol = bound(qf[sq].transpose(0, 1)[None], kf[sk].transpose(0, 1)[None],
+                                               vf[sk].transpose(0, 1)[None], out_dtype=out_dtype, gpu=gpu,
+                                               causal=causal)
+        check_close(f"o[{b}]", o[sq].transpose(0, 1)[None], o_ref, o_tol)
+        check_close(f"lse[{b}]", lse[:, sq][None], lse_ref, lse_tol)

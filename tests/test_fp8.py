@@ -18,7 +18,7 @@ from fmha import reference
 from fmha.fp8 import dequantize_fp8, quantize_fp8
 
 from fp8_testing import bound as fp8_bound
-from fp8_testing import check_close, probabilities, quantized, run_and_check
+from fp8_testing import check_close, probabilities, quantized, run_and_check, run_and_check_varlen
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = [E4M3, E5M2]
@@ -183,26 +183,9 @@ def test_fp8_q_descale_per_query_head_and_per_kv_head():
 def test_fp8_varlen_with_block_descales():
     rng = _rng()
     seqs_q, seqs_k = [5, 19, 1], [12, 30, 7]
-    cu_q = torch.tensor(np.cumsum([0] + seqs_q), dtype=torch.int32)
-    cu_k = torch.tensor(np.cumsum([0] + seqs_k), dtype=torch.int32)
     Hq, Hk, D, bs = 4, 2, 16, 8
     q, k, v = _x((sum(seqs_q), Hq, D), rng), _x((sum(seqs_k), Hk, D), rng), _x((sum(seqs_k), Hk, D), rng)
-    q8, qd = quantize_fp8(q, E4M3, "block", bs, cu_seqlens=cu_q)
-    k8, kd = quantize_fp8(k, E4M3, "block", bs, cu_seqlens=cu_k)
-    v8, vd = quantize_fp8(v, E4M3, "head", cu_seqlens=cu_k)
-    o, lse = fmha.attention_varlen(q8, k8, v8, cu_q, cu_k, max(seqs_q), max(seqs_k), causal=True,
-                                   q_descale=qd, k_descale=kd, v_descale=vd, descale_block_size=bs,
-                                   return_lse=True, out_dtype=torch.float32)
-    qf = dequantize_fp8(q8, qd, block_size=bs, cu_seqlens=cu_q).double()
-    kf = dequantize_fp8(k8, kd, block_size=bs, cu_seqlens=cu_k).double()
-    vf = dequantize_fp8(v8, vd, cu_seqlens=cu_k).double()
-    for b in range(3):
-        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        o_ref, lse_ref, o_tol, lse_tol = fp8_bound(
-            qf[sq].transpose(0, 1)[None], kf[sk].transpose(0, 1)[None],
-            vf[sk].transpose(0, 1)[None], out_dtype=torch.float32, gpu=False, causal=True)
-        check_close(f"o[{b}]", o[sq].transpose(0, 1)[None], o_ref, o_tol)
-        check_close(f"lse[{b}]", lse[:, sq][None], lse_ref, lse_tol)
+    run_and_check_varlen(q, k, v, seqs_q, seqs_k, block_size=bs, gpu=False)
 
 
 def test_fp8_without_descales_means_descale_one():

@@ -4,15 +4,14 @@ Checked against the float64 truth on the dequantized inputs with the fp8 error b
 tests/fp8_testing.py (gpu=True: it includes Hopper's reduced-precision fp8 MMA sums).
 """
 
-import numpy as np
 import pytest
 import torch
 
 import fmha
 from fmha import numerics
-from fmha.fp8 import dequantize_fp8, quantize_fp8
+from fmha.fp8 import quantize_fp8
 
-from fp8_testing import bound, check_close, quantized, run_and_check
+from fp8_testing import quantized, run_and_check, run_and_check_varlen
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
@@ -64,26 +63,9 @@ def test_fp8_forward_features(rng, case):
 
 def test_fp8_varlen(rng):
     seqs_q, seqs_k = [1, 300, 77, 1024], [500, 300, 1, 1300]
-    cu_q = torch.tensor(np.cumsum([0] + seqs_q), dtype=torch.int32, device=CUDA)
-    cu_k = torch.tensor(np.cumsum([0] + seqs_k), dtype=torch.int32, device=CUDA)
     Hq, Hk, D, bs = 8, 2, 128, 128
     q, k, v = _x((sum(seqs_q), Hq, D), rng), _x((sum(seqs_k), Hk, D), rng), _x((sum(seqs_k), Hk, D), rng)
-    q8, qd = quantize_fp8(q, E4M3, "block", bs, cu_seqlens=cu_q)
-    k8, kd = quantize_fp8(k, E4M3, "block", bs, cu_seqlens=cu_k)
-    v8, vd = quantize_fp8(v, E4M3, "head", cu_seqlens=cu_k)
-    o, lse = fmha.attention_varlen(q8, k8, v8, cu_q, cu_k, max(seqs_q), max(seqs_k), causal=True,
-                                   q_descale=qd, k_descale=kd, v_descale=vd, descale_block_size=bs,
-                                   return_lse=True, out_dtype=torch.float32)
-    qf = dequantize_fp8(q8, qd, block_size=bs, cu_seqlens=cu_q).double()
-    kf = dequantize_fp8(k8, kd, block_size=bs, cu_seqlens=cu_k).double()
-    vf = dequantize_fp8(v8, vd, cu_seqlens=cu_k).double()
-    for b in range(len(seqs_q)):
-        sq, sk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-        o_ref, lse_ref, o_tol, lse_tol = bound(qf[sq].transpose(0, 1)[None], kf[sk].transpose(0, 1)[None],
-                                               vf[sk].transpose(0, 1)[None], out_dtype=torch.float32,
-                                               gpu=True, causal=True)
-        check_close(f"o[{b}]", o[sq].transpose(0, 1)[None], o_ref, o_tol)
-        check_close(f"lse[{b}]", lse[:, sq][None], lse_ref, lse_tol)
+    run_and_check_varlen(q, k, v, seqs_q, seqs_k, block_size=bs, gpu=True)
 
 
 def test_fp8_long_sequence(rng):

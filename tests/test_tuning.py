@@ -239,6 +239,40 @@ def test_cli_tune_refuses_without_a_gpu_and_dry_run_lists_candidates(capsys, tmp
     assert code == 2 and "not a multiple" in err
 
 
+def test_cli_tune_prints_the_table_and_errors_and_writes_json(capsys, tmp_path, monkeypatch):
+    """The output of a tuning run, with a GPU and its timer faked (one candidate fails)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "current_arch", lambda: "sm90")
+    monkeypatch.setattr(tuning, "device_name", lambda arch: "FakeGPU")
+
+    def gpu_timer(warmup_ms, rep_ms, fail=lambda name: "triton" in name):
+        def timer(config, prob):
+            if fail(config.name):
+                raise RuntimeError("out of resources: shared memory\nsecond line")
+            return 0.5
+        return timer
+
+    monkeypatch.setattr(tuning, "gpu_timer", gpu_timer)
+    out_json, db = tmp_path / "tune.json", tmp_path / "db.json"
+    code, out, err = run(capsys, "tune", "--shapes", "2x8x1024x128", "--family", "fwd", "--db", str(db),
+                         "--json", str(out_json), "--no-progress")
+    assert code == 0, err
+    data = json.loads(out_json.read_text())
+    assert data["gpu"] == "FakeGPU" and data["db"] == str(db) and len(data["results"]) == 1
+    result = data["results"][0]
+    chosen, failed = result["chosen"], next(iter(result["errors"]))
+    assert result["timings_ms"] == {chosen: 0.5, failed: None} and "triton" in failed
+    assert result["errors"][failed] == "RuntimeError: out of resources: shared memory"
+    assert "fmha tune on FakeGPU: DB " in out and "0.5 " in out
+    assert f"{failed} failed on B=2 Hq=8 Hk=8 Sq=1024" in out and f"wrote {out_json}" in out
+    assert json.loads(db.read_text())["entries"]
+    monkeypatch.setattr(tuning, "gpu_timer", lambda w, r: gpu_timer(w, r, fail=lambda name: True))
+    code, out, err = run(capsys, "tune", "--shapes", "2x8x1024x128", "--family", "fwd", "--db",
+                         str(tmp_path / "db2.json"), "--no-progress")
+    assert code == 1, err
+    assert "none ran" in out and "wrote" not in out
+
+
 @pytest.mark.parametrize("family", [Family.FWD, Family.BWD_DQ_DK_DV])
 def test_the_runner_that_tune_times_forces_the_candidate(family):
     prob = problem(seqlen=20, head_dim=16, causal=True).with_(dtype=DType.FP32, nhead_q=4, nhead_k=2, alibi=True)

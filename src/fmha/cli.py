@@ -29,7 +29,7 @@ import math
 import os
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -607,7 +607,28 @@ def _cmd_kernels_autofill(args: argparse.Namespace, console: Any) -> int:
 
 
 # ----------------------------------------------------------------------------------------
-# `fmha sweep` and `fmha stress`.
+# `fmha sweep`, `fmha stress` and `fmha tune`: the end of each.
+
+
+def _finish(console: Any, table: Any, *, ok: bool, notes: Sequence[tuple[str, str | None, bool]] = (),
+            outputs: Sequence[tuple[str | None, Callable[[str], None] | dict]] = (),
+            summary: tuple[str, str | None] | None = None) -> int:
+    """Print `table`, then each note (text, style, soft_wrap); write each output whose path is
+    given (a dict is written as indented JSON, else called with the path) and say "wrote
+    PATH"; print the summary line (text, style). Returns the exit code: 0 if `ok`, else 1."""
+    console.print(table)
+    for text, style, soft_wrap in notes:
+        console.print(text, style=style, soft_wrap=soft_wrap)
+    for path, write in outputs:
+        if path:
+            if isinstance(write, dict):
+                Path(path).write_text(json.dumps(write, indent=2, default=str))
+            else:
+                write(path)
+            console.print(f"wrote {path}", soft_wrap=True)
+    if summary is not None:
+        console.print(summary[0], style=summary[1])
+    return 0 if ok else 1
 
 
 def _cmd_sweep(args: argparse.Namespace, console: Any) -> int:
@@ -621,19 +642,14 @@ def _cmd_sweep(args: argparse.Namespace, console: Any) -> int:
         task = bar.add_task(f"sweep {args.axis}", total=len(values))
         rows = sweeps.sweep(args.axis, values, base, device, validate=not args.no_validate, warmup=args.warmup,
                             repeat=args.repeat, progress=lambda text: bar.update(task, advance=1, description=text))
-    console.print(sweeps.sweep_table(rows))
     settings = {"axis": args.axis, "values": values, "base": asdict(base), "device": str(device),
                 "validate": not args.no_validate}
-    for path, write in ((args.csv, lambda p: sweeps.write_csv(p, rows)),
-                        (args.json, lambda p: sweeps.write_json(p, rows, settings)),
-                        (args.plot, lambda p: sweeps.plot(p, rows))):
-        if path:
-            write(path)
-            console.print(f"wrote {path}", soft_wrap=True)
     failed = [r for r in rows if not r["ok"]]
-    if failed:
-        console.print(f"{len(failed)} of {len(rows)} points FAILED", style="red")
-    return 1 if failed else 0
+    return _finish(console, sweeps.sweep_table(rows), ok=not failed,
+                   outputs=[(args.csv, lambda p: sweeps.write_csv(p, rows)),
+                            (args.json, lambda p: sweeps.write_json(p, rows, settings)),
+                            (args.plot, lambda p: sweeps.plot(p, rows))],
+                   summary=(f"{len(failed)} of {len(rows)} points FAILED", "red") if failed else None)
 
 
 def _cmd_stress(args: argparse.Namespace, console: Any) -> int:
@@ -646,21 +662,19 @@ def _cmd_stress(args: argparse.Namespace, console: Any) -> int:
         rows = sweeps.stress(args.count, args.seed, device, time_budget=args.time_budget, backward=args.backward,
                              random_tiles=args.random_tiles,
                              progress=lambda text: bar.update(task, advance=1, description=text))
-    console.print(sweeps.stress_table(rows, failures_only=args.failures_only))
     failed = [r for r in rows if not r["ok"]]
+    notes = []
     if len(rows) < args.count:
-        console.print(f"time budget of {args.time_budget:g} s reached: {len(rows)} of {args.count} cases ran")
-    for r in failed:
-        console.print(f"case {r['index']} FAILED ({r['error'] or r['check']}); the forward of it: "
-                      f"fmha run --device {device.type} {r['flags']}", style="red", soft_wrap=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"ok": not failed, "seed": args.seed, "count": args.count,
-                                               "ran": len(rows), "device": str(device), "rows": rows},
-                                              indent=2, default=str))
-        console.print(f"wrote {args.json}", soft_wrap=True)
-    console.print(f"stress (seed {args.seed}): {len(rows) - len(failed)} of {len(rows)} cases ok",
-                  style="red" if failed else "green")
-    return 1 if failed else 0
+        notes.append((f"time budget of {args.time_budget:g} s reached: {len(rows)} of {args.count} cases ran",
+                      None, False))
+    notes += [(f"case {r['index']} FAILED ({r['error'] or r['check']}); the forward of it: "
+               f"fmha run --device {device.type} {r['flags']}", "red", True) for r in failed]
+    return _finish(console, sweeps.stress_table(rows, failures_only=args.failures_only), ok=not failed,
+                   notes=notes,
+                   outputs=[(args.json, {"ok": not failed, "seed": args.seed, "count": args.count, "ran": len(rows),
+                                         "device": str(device), "rows": rows})],
+                   summary=(f"stress (seed {args.seed}): {len(rows) - len(failed)} of {len(rows)} cases ok",
+                            "red" if failed else "green"))
 
 
 # ----------------------------------------------------------------------------------------
@@ -742,15 +756,11 @@ def _cmd_tune(args: argparse.Namespace, console: Any) -> int:
         table.add_row(r.family.value, r.problem.describe(), r.chosen or "none ran",
                       "-" if chosen_ms is None else f"{chosen_ms:.4g}", others,
                       style=None if r.chosen else "red")
-    console.print(table)
-    for r in results:
-        for name, error in r.errors.items():
-            console.print(f"{name} failed on {r.problem.describe()}: {error}", soft_wrap=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"gpu": tuning.device_name(arch), "db": str(db.path),
-                                               "results": [r.to_dict() for r in results]}, indent=2))
-        console.print(f"wrote {args.json}", soft_wrap=True)
-    return 0 if all(r.chosen for r in results) else 1
+    return _finish(console, table, ok=all(r.chosen for r in results),
+                   notes=[(f"{name} failed on {r.problem.describe()}: {error}", None, True)
+                          for r in results for name, error in r.errors.items()],
+                   outputs=[(args.json, {"gpu": tuning.device_name(arch), "db": str(db.path),
+                                         "results": [r.to_dict() for r in results]})])
 
 
 # ----------------------------------------------------------------------------------------
