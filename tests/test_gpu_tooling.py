@@ -92,3 +92,18 @@ def test_cli_stress_on_cuda(capsys, count, flags):
                          "--time-budget", "40", "--no-progress", "--failures-only", *flags)
     print(out)
     assert code == 0, out + err
+
+
+@pytest.mark.parametrize("contenders", ["fmha,cudnn", "fmha,cudnn,flash,flex"])
+def test_cli_bench_on_cuda_with_and_without_flex(capsys, tmp_path, contenders):
+    """A small custom shape through `fmha bench`: every contender times, JSON rows are ok,
+    and fmha's forward agrees with cuDNN's."""
+    out = tmp_path / "bench.json"
+    code, text, err = run(capsys, "bench", "-b", "1", "--nhead-q", "4", "--seqlen", "512", "--hdim", "64",
+                          "--contenders", contenders, "--rounds", "1", "--json", str(out), "--no-progress")
+    assert code == 0, text + err
+    rows = json.loads(out.read_text())["results"]
+    assert {r["contender"] for r in rows} == set(contenders.split(","))
+    assert all(r["ok"] for r in rows), [r.get("error") for r in rows]
+    fmha_fwd = next(r for r in rows if r["contender"] == "fmha" and r["mode"] == "fwd")
+    assert fmha_fwd["max_abs_diff"] < 2e-2

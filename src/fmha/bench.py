@@ -367,9 +367,9 @@ def run_suite(shapes: Sequence[Shape], modes: Sequence[str] = MODES,
 
 def _run_shape(shape: Shape, modes, contenders, rounds, warmup_ms, rep_ms, bar, task) -> list[dict]:
     if "flex" in contenders:
-        import torch._dynamo
+        from torch import _dynamo  # `import torch._dynamo` here would make `torch` a local name
 
-        torch._dynamo.reset()  # one compile per shape; avoids the recompile limit
+        _dynamo.reset()  # one compile per shape; avoids the recompile limit
     gen = torch.Generator(device="cuda").manual_seed(0)
     dtype = DTYPES[shape.dtype]
 
