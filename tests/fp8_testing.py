@@ -104,7 +104,7 @@ def bound(q, k, v, *, out_dtype, gpu: bool, v_spread: float = 1.0, dropout_mask=
     if gpu:
         qmax = f["q"].abs().amax(-1)  # (B, Hq, Sq)
         kmax = f["k_rep"].abs().amax(dim=(-1, -2))[..., None]  # (B, Hq, 1)
-        ds = 2.0**-13 * f["scale"] * f["q"].shape[-1] * qmax * kmax
+        ds = 2.0**-13 * abs(f["scale"]) * f["q"].shape[-1] * qmax * kmax  # |scale|: it may be < 0
     coef = 2.0**-4 + (2.0**-7 if gpu else 0.0) + 2 * ds[..., None]
     terms = torch.maximum(coef * p, 2.0**-18 * v_spread * pmax * valid) * drop
     o_tol = terms @ vabs + OUT_UNIT[out_dtype] * f["o"].abs() + 1e-6

@@ -51,6 +51,31 @@ def test_other_problems_fall_back_to_triton_and_explain_says_why(change, reason)
     assert "refused" in gluon_line and reason in gluon_line, gluon_line
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_e4m3_with_tensor_or_head_descales_gets_the_gluon_kernel(head_dim):
+    config = _fwd_config(_problem(dtype=DType.FP8_E4M3, head_dim_qk=head_dim, head_dim_v=head_dim, causal=True))
+    assert config.algorithm.pipeline.is_gluon and config.signature.dtypes == (DType.FP8_E4M3,)
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(fp8_block_descale=True), "fp8 descales per block"),
+    (dict(dtype=DType.FP8_E5M2), "dtype fp8_e5m2 not in ['fp8_e4m3']"),
+])
+def test_fp8_problems_the_gluon_kernel_does_not_take_run_on_triton(change, reason):
+    problem = _problem(**{"dtype": DType.FP8_E4M3, **change})
+    assert _fwd_config(problem).algorithm.pipeline == Pipeline.TRITON
+    text = Dispatcher(default_registry()).explain(problem, Family.FWD)
+    line = next(line for line in text.splitlines() if "fp8_e4m3_d128-128_sm90_gluon" in line)
+    assert "refused" in line and reason in line, line
+
+
+def test_explain_sees_per_block_fp8_descales():
+    q = torch.randn(1, 2, 256, 128).to(torch.float8_e4m3fn)
+    per_head, per_block = torch.ones(1, 2), torch.ones(1, 2, 2)
+    assert not api.problem_of(q, q, q, k_descale=per_head).fp8_block_descale
+    assert api.problem_of(q, q, q, k_descale=per_block, descale_block_size=128).fp8_block_descale
+
+
 def test_deterministic_problems_keep_the_gluon_forward():
     assert _fwd_config(_problem(deterministic=True, causal=True)).algorithm.pipeline.is_gluon
 
@@ -62,7 +87,7 @@ def test_registry_json_round_trip_keeps_gluon_fields():
     gluon = [c for c in again if c.algorithm.pipeline.is_gluon]
     assert {c.signature.head_dims for c in gluon} == {(64,), (128,), (256,)}
     assert all(c.signature.needs_tma and not c.signature.sliding_window for c in gluon)
-    assert registry.statistics()["by_pipeline"]["gluon_ws_pingpong"] == 2
+    assert registry.statistics()["by_pipeline"]["gluon_ws_pingpong"] == 2  # half precision D=128, 256
 
 
 def test_tma_alignment_detection():
@@ -84,4 +109,15 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path, monkeypatch):
                                record_path=tmp_path / "record.json")
     assert [r.status for r in results] == ["built"], results[0].message
     assert [k.variant for k in results[0].kernels] == ["plain", "causal"]
+    assert all(0 < k.shared <= 232448 for k in results[0].kernels)
+
+
+def test_gluon_fp8_kernel_compiles_for_sm90(tmp_path, monkeypatch):
+    """The fp8 variant (QGMMA, V^T tiles, P in e4m3 from registers) compiles ahead of time."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon
+                  and c.signature.dtypes == (DType.FP8_E4M3,) and c.signature.head_dims == (128,))
+    results = precompile.build(Registry([config]), "sm90", dtypes=["fp8_e4m3"], jobs=2, progress=False,
+                               record_path=tmp_path / "record.json")
+    assert [r.status for r in results] == ["built"], results[0].message
     assert all(0 < k.shared <= 232448 for k in results[0].kernels)

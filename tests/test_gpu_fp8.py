@@ -73,6 +73,46 @@ def test_fp8_long_sequence(rng):
     run_and_check(q, k, v, granularity="tensor", causal=True, gpu=True)
 
 
+GLUON_CASES = {  # (B, Hq, Hk, Sq, Sk, D, layout, out_dtype, granularity, kwargs)
+    "decode_row": (4, 8, 2, 1, 3001, 128, "bhsd", torch.bfloat16, "head", {}),
+    "bottom_right_sq_lt_sk_d64": (2, 4, 4, 300, 1111, 64, "bhsd", torch.bfloat16, "tensor", dict(causal=True)),
+    "top_left_sq_gt_sk_d256": (2, 4, 1, 900, 333, 256, "bhsd", torch.bfloat16, "head",
+                               dict(causal=True, mask_align="top_left")),
+    "bshd_fp32_out": (2, 6, 2, 517, 517, 128, "bshd", torch.float32, "head", {}),
+    "fp16_out_negative_scale": (1, 4, 4, 256, 700, 128, "bhsd", torch.float16, "tensor", dict(scale=-0.05)),
+    "long_causal": (1, 8, 8, 8192, 8192, 128, "bhsd", torch.bfloat16, "head", dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GLUON_CASES))
+def test_fp8_gluon_forward(rng, case):
+    """The Hopper Gluon fp8 kernel (e4m3, descales per tensor or per (batch, head)) is the
+    one selected, and it meets the fp8 bound: odd lengths (V^T padding), GQA, both causal
+    alignments, bshd, every output dtype, a negative scale."""
+    B, Hq, Hk, Sq, Sk, D, layout, out_dtype, granularity, kw = GLUON_CASES[case]
+
+    def shape(h, s):
+        return (B, h, s, D) if layout == "bhsd" else (B, s, h, D)
+
+    q, k, v = _x(shape(Hq, Sq), rng), _x(shape(Hk, Sk), rng, 2.0), _x(shape(Hk, Sk), rng)
+    plan = fmha.explain(q.to(E4M3), k.to(E4M3), v.to(E4M3), layout=layout, **kw).splitlines()[1]
+    assert "gluon" in plan or torch.cuda.get_device_capability() != (9, 0), plan
+    run_and_check(q, k, v, granularity=granularity, layout=layout, out_dtype=out_dtype, gpu=True, **kw)
+
+
+def test_fp8_q_descale_per_kv_head_equals_its_expansion(rng):
+    """q_descale (B, Hk) (FlashAttention 3's convention under GQA) gives exactly the result
+    of the same values repeated to (B, Hq)."""
+    q, k, v = _x((2, 8, 640, 128), rng), _x((2, 2, 640, 128), rng), _x((2, 2, 640, 128), rng)
+    qd_kv = (q.abs().amax(dim=(2, 3)).reshape(2, 2, 4).amax(-1) / 448.0).contiguous()  # (B, Hk)
+    qd_q = qd_kv.repeat_interleave(4, dim=1)
+    q8 = (q / qd_q[:, :, None, None]).to(E4M3)
+    (k8, kd), (v8, vd) = quantize_fp8(k, E4M3, "head"), quantize_fp8(v, E4M3, "head")
+    a = fmha.attention(q8, k8, v8, q_descale=qd_kv, k_descale=kd, v_descale=vd, causal=True)
+    b = fmha.attention(q8, k8, v8, q_descale=qd_q, k_descale=kd, v_descale=vd, causal=True)
+    assert torch.equal(a, b)
+
+
 def test_fp8_column_major_v(rng):
     """v with stride 1 along the sequence (the layout FP8 wgmma wants) gives the same result."""
     q, k, v = (_x((2, 4, 512, 128), rng) for _ in range(3))

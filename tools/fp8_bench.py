@@ -2,8 +2,9 @@
 
 B=4, H=16, S=8192, D=128 and 256, causal and not; TFLOP/s in the FlashAttention
 convention (4 * B * H * S^2 * D, halved for causal), medians of triton's do_bench medians.
-Contenders: fmha bf16, fmha fp8 e4m3 with per-(batch, head) descales, and with --sweep a
-few other fp8 tiles (each through a one-config registry ahead of the default one) so the
+Contenders: fmha bf16, fmha fp8 e4m3 with per-(batch, head) descales (the registry's
+choice: the Gluon kernel on Hopper), the Triton fp8 kernel, and with --sweep a few other
+Gluon fp8 tiles (each through a one-config registry ahead of the default one) so the
 registry's fp8 rows can be tuned from one run. Also checks the fp8 output against bf16,
 and times decode (B=32, Hq=32, Hk=8, S=8192) over a bf16 cache and over an fp8 cache.
 
@@ -20,19 +21,29 @@ import torch
 import triton
 
 import fmha
-from fmha.configs import Algorithm, Family, KernelConfig, Signature
+from fmha.configs import Algorithm, Family, KernelConfig, Pipeline, Signature
 from fmha.problem import DType
+from fmha.registry import _gluon_config
 
 FP8 = (DType.FP8_E4M3, DType.FP8_E5M2)
-# (block_m, block_n, warps, stages) candidates per head dim, registry default first.
-SWEEP = {128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4)],
-         256: [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2)]}
+PP, WS = Pipeline.GLUON_WS_PINGPONG, Pipeline.GLUON_WS
+# Gluon (block_n, stages, pipeline) candidates per head dim besides the registry's default.
+SWEEP = {128: [(128, 2, PP), (64, 3, WS), (128, 3, WS)], 256: [(64, 2, PP), (64, 3, WS), (32, 3, WS)]}
+TRITON_TILE = {128: (128, 128, 8, 3), 256: (128, 64, 8, 2)}  # the registry's Triton fp8 rows
 
 
-def dispatcher_with(tile, head_dim: int) -> fmha.Dispatcher:
+def dispatcher_with(first: KernelConfig, name: str) -> fmha.Dispatcher:
+    return fmha.Dispatcher(fmha.Registry([first]).merged(fmha.default_registry(), name=name))
+
+
+def gluon_candidate(head_dim: int, block_n: int, stages: int, pipeline: Pipeline) -> KernelConfig:
+    return _gluon_config(Family.FWD, head_dim, 128, block_n, 4, stages, pipeline, "sweep",
+                         dtypes=(DType.FP8_E4M3,))
+
+
+def triton_candidate(head_dim: int) -> KernelConfig:
     arch = "sm{}{}".format(*torch.cuda.get_device_capability())
-    first = KernelConfig(Signature(Family.FWD, FP8, (arch,), head_dim), Algorithm(*tile))
-    return fmha.Dispatcher(fmha.Registry([first]).merged(fmha.default_registry(), name=f"sweep{tile}"))
+    return KernelConfig(Signature(Family.FWD, FP8, (arch,), head_dim), Algorithm(*TRITON_TILE[head_dim]))
 
 
 def main() -> int:
@@ -56,9 +67,11 @@ def main() -> int:
             def fp8_call():
                 return fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=causal)
             runs["fp8_e4m3"] = (None, fp8_call)
+            runs["fp8_e4m3 triton"] = (dispatcher_with(triton_candidate(D), "triton"), fp8_call)
             if sweep:
-                for tile in SWEEP[D][1:]:
-                    runs[f"fp8_e4m3 m{tile[0]}n{tile[1]}w{tile[2]}s{tile[3]}"] = (dispatcher_with(tile, D), fp8_call)
+                for n, st, pipe in SWEEP[D]:
+                    runs[f"fp8_e4m3 gluon n{n}s{st} {pipe.value}"] = (
+                        dispatcher_with(gluon_candidate(D, n, st, pipe), f"n{n}s{st}{pipe.value}"), fp8_call)
             times: dict[str, list[float]] = {}
             errors: dict[str, str] = {}
             for _ in range(rounds):

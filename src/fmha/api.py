@@ -13,7 +13,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -259,19 +259,23 @@ def _kernel_view(t: Tensor, prep: _Prepared) -> Tensor:
 
 
 def _launch_forward(prep: _Prepared, config: KernelConfig, o_view: Tensor, lse: Tensor,
-                    sinks: Tensor | None, kernel_args: dict) -> None:
-    """Run the forward `config` (Triton, or Gluon on Hopper) into o_view / lse."""
+                    sinks: Tensor | None, kernel_args: dict, fp8_descales: dict | None = None,
+                    descale_block: int = 0) -> None:
+    """Run the forward `config` (Triton, or Gluon on Hopper) into o_view / lse.
+    fp8_descales: float8 inputs' q/k/v_descale kernel views (fmha.fp8.check_descales)."""
     p, a = prep.problem, config.algorithm
     with _device_guard(prep.q):
-        if a.pipeline.is_gluon:
+        if a.pipeline.is_gluon:  # the configs refuse per-block descales
             family_module("fwd_gluon", interpreted=False).launch(
                 prep.q, prep.k, prep.v, o_view, lse, causal=p.window == (-1, 0),
                 align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT, scale=prep.scale,
                 block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages,
-                pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG)
+                pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG,
+                descales=tuple(fp8_descales.values()) if fp8_descales else None)
         else:
             family_module("fwd", interpreted=prep.q.device.type == "cpu").launch(
-                prep.q, prep.k, prep.v, o_view, lse, sinks=sinks, **kernel_args, **_algo(config))
+                prep.q, prep.k, prep.v, o_view, lse, sinks=sinks, **kernel_args, **_algo(config),
+                **(fp8_descales or {}), **({"descale_block": descale_block} if fp8_descales else {}))
 
 
 def _launch_dkdv(prep: _Prepared, config: KernelConfig, do_view: Tensor, lse: Tensor, delta: Tensor,
@@ -448,16 +452,14 @@ def _fwd_fp8_op(
     views = F8.check_descales(q, dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale),
                               batch=p.batch, nhead_q=p.nhead_q, nhead_k=p.nhead_k, seqlen_q=p.seqlen_q,
                               seqlen_k=p.seqlen_k, block_size=descale_block_size, varlen=p.varlen)
-    plan = _plan_forward(p, False)
+    block_descale = any(d is not None and d.shape[2] > 1 for d in views.values())
+    prep = replace(prep, problem=p.with_(fp8_block_descale=block_descale))
+    plan = _plan_forward(prep.problem, False)
     o, o_view, lse = _alloc_like(q, v.shape[-1], p.varlen, layout, dtype=out_dtype)
     if o.numel() or lse.numel():
-        kernels = family_module("fwd", interpreted=q.device.type == "cpu")
-        with _device_guard(q):
-            kernels.launch(prep.q, prep.k, prep.v, o_view, lse, sinks=sinks,
-                           **_kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                          seqused_k, seed, offset),
-                           **_algo(plan.config(Family.FWD)), **views,
-                           descale_block=descale_block_size or 0)
+        _launch_forward(prep, plan.config(Family.FWD), o_view, lse, sinks,
+                        _kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, seed, offset),
+                        fp8_descales=views, descale_block=descale_block_size or 0)
     return o, lse
 
 
@@ -740,13 +742,18 @@ def problem_of(q: Tensor, k: Tensor, v: Tensor, *, layout: str = "bhsd", scale=N
                causal: bool = False, window=(-1, -1), mask_align: str = "bottom_right",
                sink_size: int = 0, bias=None, alibi_slopes=None, softcap: float = 0.0,
                sinks=None, dropout_p: float = 0.0, seed=None, offset: int = 0,
-               deterministic: bool = False) -> Problem:
+               deterministic: bool = False, q_descale=None, k_descale=None, v_descale=None,
+               descale_block_size=None, out_dtype=None) -> Problem:
     """The `Problem` that `attention(q, k, v, ...)` with these arguments would solve."""
     left, right = V.check_scalars(scale=scale, softcap=softcap, window=window, sink_size=sink_size,
                                   dropout_p=dropout_p, causal=causal)
-    return _prepare(q, k, v, bias, alibi_slopes, sinks, None, None, None, 0, 0, layout, scale,
-                    causal, left, right, mask_align, sink_size, softcap, dropout_p, seed or 0,
-                    offset, deterministic).problem
+    problem = _prepare(q, k, v, bias, alibi_slopes, sinks, None, None, None, 0, 0, layout, scale,
+                       causal, left, right, mask_align, sink_size, softcap, dropout_p, seed or 0,
+                       offset, deterministic).problem
+    # fp8: a 3-d descale with more than one block is per block (fmha.fp8.check_descales)
+    block = any(isinstance(d, Tensor) and d.dim() == 3 and d.shape[2] > 1
+                for d in (q_descale, k_descale, v_descale))
+    return problem.with_(fp8_block_descale=block) if block else problem
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:

@@ -78,6 +78,7 @@ class Signature:
     head_dims: tuple[int, ...] = ()  # if set: Dqk == Dv, one of these (fixed-size tiles)
     sliding_window: bool = True  # False: of the masks, causal only (either alignment)
     needs_tma: bool = False  # TMA loads: 16-byte aligned strides, non-empty keys
+    fp8_block_descale: bool = True  # False: fp8 descales per tensor or per (batch, head) only
 
     def refusals(self, problem: Problem) -> list[str]:
         reasons = []
@@ -102,6 +103,8 @@ class Signature:
             reasons.append("q/k/v strides or base pointers are not 16-byte aligned (TMA needs it)")
         if self.needs_tma and problem.seqlen_k == 0:
             reasons.append("seqlen_k is 0 (a TMA descriptor needs a non-empty tensor)")
+        if not self.fp8_block_descale and problem.fp8_block_descale:
+            reasons.append("fp8 descales per block: this kernel takes one per tensor or per (batch, head)")
         return reasons
 
 

@@ -73,6 +73,9 @@ class Problem:
     # q/k/v base pointers and strides 16-byte aligned (TMA descriptors need it); the API
     # measures it, hand-built problems assume fresh tensors.
     tma_aligned: bool = True
+    # float8: some q/k/v descale is per block along the sequence (fmha.fp8), not per
+    # tensor or per (batch, head).
+    fp8_block_descale: bool = False
 
     def __post_init__(self) -> None:
         if self.causal and self.window[1] != 0:

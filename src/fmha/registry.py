@@ -140,14 +140,15 @@ _GLUON_FEATURES = frozenset({Feature.MASK, Feature.GQA})
 
 
 def _gluon_config(family, head_dim, block_m, block_n, warps, stages, pipeline, notes,
-                  features=_GLUON_FEATURES):
-    """A Hopper Gluon config: fp16/bf16, one head dim (Dqk == Dv), causal or no mask, TMA.
+                  features=_GLUON_FEATURES, dtypes=(DType.FP16, DType.BF16)):
+    """A Hopper Gluon config: fp16/bf16 (or fp8 e4m3 for the forward, with descales per tensor
+    or per (batch, head)), one head dim (Dqk == Dv), causal or no mask, TMA.
     Forward (kernels/fwd_gluon.py): 128-row tiles, 4 warps in the config (the producer warp
     and the second consumer warpgroup are added). dK/dV (kernels/bwd_gluon.py): 128 keys x
     64 queries, 8 warps, dQ by atomics (so not for deterministic problems)."""
     return KernelConfig(
-        Signature(family, (DType.FP16, DType.BF16), ("sm90",), head_dim, head_dim, features,
-                  head_dims=(head_dim,), sliding_window=False, needs_tma=True),
+        Signature(family, dtypes, ("sm90",), head_dim, head_dim, features,
+                  head_dims=(head_dim,), sliding_window=False, needs_tma=True, fp8_block_descale=False),
         Algorithm(block_m, block_n, warps, stages, pipeline=pipeline), notes=notes)
 
 
@@ -187,6 +188,13 @@ def default_registry() -> Registry:
     ])
     # FP8 forward (fmha.fp8): tl.dot on float8 needs sm89+; tiles not tuned on a GPU yet
     # (tools/fp8_bench.py --sweep compares candidates).
+    # FP8 forward in Gluon (Hopper): the same kernel with fp8 wgmma, 1.17x (D=128) and 1.29x
+    # (D=256) our bf16 forward where the Triton fp8 kernel ran 0.24-0.41x (H200, 2026-11-30,
+    # tools/fp8_bench.py --sweep; ping-pong was 1-2% slower here). Larger key tiles (D=64
+    # n256, D=128/256 n128+) spill registers at sm_90.
+    e4m3, ws8 = (DType.FP8_E4M3,), "FA3-style warp-specialized fp8 forward (V transposed first)"
+    configs += [_gluon_config(Family.FWD, d, 128, n, 4, st, Pipeline.GLUON_WS, ws8, fwd_features, e4m3)
+                for d, n, st in ((64, 128, 3), (128, 128, 2), (256, 64, 2))]
     configs += _family_configs(Family.FWD, [
         (fp8, fp8_archs, 64, 128, 128, 8, 3),
         (fp8, fp8_archs, 128, 128, 128, 8, 3, 65),

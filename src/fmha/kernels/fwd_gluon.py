@@ -22,6 +22,7 @@ masked to -inf in the last tile.
 
 from __future__ import annotations
 
+import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -38,11 +39,13 @@ from .gluon_common import acc_layout, descriptor, descriptor_type, tma_aligned
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
 # scale 0 would give -inf * 0 = NaN on masked keys; 1e-30 changes no logit by an fp32 ulp.
-TINY_SCALE = 1e-30
+TINY_SCALE = gl.constexpr(1e-30)
 # Registers per thread: 3 warpgroups start at MAXNREG (168 * 384 threads fit 64K); the
 # producer gives its share to the consumers (setmaxnreg), as FlashAttention-3 does.
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
+# fp8: P is rounded to e4m3 as P * 2**8 (fmha.fp8.P_SCALE; 256 < e4m3's 448), cancelled by l.
+P_LOG2_SCALE = gl.constexpr(8)
 
 
 @gluon.jit
@@ -70,10 +73,12 @@ def _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.constexpr
 
 @gluon.jit
 def _softmax_update(s, m_i, l_i, rows, n0, seqlen_k, diag, qk_scale, row_lo,
-                    CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, BLOCK_N: gl.constexpr):
+                    CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, BLOCK_N: gl.constexpr,
+                    P_SHIFT: gl.constexpr):
     """Online softmax on one raw S tile. m is kept in raw (unscaled) units so that
     p = exp2(s * scale - m * scale) is one FMA per element; that needs scale >= 0, so a
-    negative scale is applied as -S times |scale|. Returns (p, m, l, alpha)."""
+    negative scale is applied as -S times |scale|. P_SHIFT > 0 gives p * 2**P_SHIFT (fp8:
+    P in [0, 256] before its e4m3 rounding). Returns (p, m, l, alpha)."""
     if NEG_SCALE:
         s = -s
     need_mask = n0 + BLOCK_N > seqlen_k
@@ -88,26 +93,46 @@ def _softmax_update(s, m_i, l_i, rows, n0, seqlen_k, diag, qk_scale, row_lo,
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_scaled = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
     alpha = gl.exp2(m_i * qk_scale - m_scaled)
-    p = gl.exp2(s * qk_scale - m_scaled[:, None])
+    if P_SHIFT:
+        p = gl.exp2(s * qk_scale - (m_scaled - P_SHIFT)[:, None])
+    else:
+        p = gl.exp2(s * qk_scale - m_scaled[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
 
 
 @gluon.jit
+def _v_operand(v_smem, stage, FP8: gl.constexpr):
+    """V(stage) as the B operand [keys, D] of P V (fp8: the K-major view of its V^T tile)."""
+    if FP8:
+        return v_smem.index(stage).permute((1, 0))
+    else:
+        return v_smem.index(stage)
+
+
+@gluon.jit
 def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
-              PINGPONG: gl.constexpr,
+              PINGPONG: gl.constexpr, FP8: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale) = args
+     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales) = args
     dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = acc_layout(WG_ROWS, BLOCK_N, 4)
-    o_layout: gl.constexpr = acc_layout(WG_ROWS, HEAD_DIM, 4)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = acc_layout(WG_ROWS, BLOCK_N, 4, 32 if FP8 else 16)
+    o_layout: gl.constexpr = acc_layout(WG_ROWS, HEAD_DIM, 4, 32 if FP8 else 16)
+    # P from registers: 32 bits of consecutive k per register (2 halves or 4 bytes).
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
+    p_dtype: gl.constexpr = gl.float8e4nv if FP8 else dtype
+    P_SHIFT: gl.constexpr = P_LOG2_SCALE if FP8 else 0
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     b, h, hk, row0, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    if FP8:  # q and k descales fold into the logit scale (descales are > 0)
+        (qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh,
+         vd_ptr, stride_vdb, stride_vdh) = descales
+        qk_scale = gl.maximum(qk_scale * gl.load(qd_ptr + b * stride_qdb + (h // qd_group) * stride_qdh)
+                              * gl.load(kd_ptr + b * stride_kdb + hk * stride_kdh), TINY_SCALE)
     row_lo = row0 + WG * WG_ROWS
     rows = row_lo + gl.arange(0, WG_ROWS, layout=row_layout)
     q_tile = q_smem.index(WG)
@@ -127,7 +152,7 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(0), count=1)
     p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale, row_lo,
-                                         CAUSAL, NEG_SCALE, BLOCK_N)
+                                         CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT)
     for j in range(1, n_tiles):
         stage = j % STAGES
         prev = (j - 1) % STAGES
@@ -137,32 +162,36 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
         s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # While S(j) runs: bring O to tile j-1's running max, then O += P(j-1) V(j-1).
         acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p_op = gl.convert_layout(p.to(p_dtype), p_layout)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        acc = warpgroup_mma(p_op, _v_operand(v_smem, prev, FP8), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - WG), count=1)
         # S(j) completes first (groups retire in order); its softmax overlaps P(j-1) V(j-1).
         s = warpgroup_mma_wait(1, deps=(s,))
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, rows, j * BLOCK_N, seqlen_k, diag, qk_scale,
-                                             row_lo, CAUSAL, NEG_SCALE, BLOCK_N)
+                                             row_lo, CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(prev), count=1)
     last = (n_tiles - 1) % STAGES
     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    p_op = gl.convert_layout(p.to(p_dtype), p_layout)
     mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-    acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma(p_op, _v_operand(v_smem, last, FP8), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
 
     # Epilogue: empty rows (all keys masked) give 0 and LSE -inf.
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i * qk_scale + gl.log2(l_safe)) * LN2)
+    lse = gl.where(empty, float("-inf"), (m_i * qk_scale + gl.log2(l_safe) - P_SHIFT) * LN2)
     gl.store(lse_ptr + b.to(gl.int64) * stride_lb + h * stride_lh + rows * stride_lm, lse,
              mask=rows < seqlen_q)
-    out = acc / gl.convert_layout(l_safe, orow_layout)[:, None]
+    if FP8:  # the v descale multiplies the output
+        v_descale = gl.load(vd_ptr + b * stride_vdb + hk * stride_vdh)
+        out = acc * gl.convert_layout(v_descale / l_safe, orow_layout)[:, None]
+    else:
+        out = acc / gl.convert_layout(l_safe, orow_layout)[:, None]
     if O_TMA:
         q_tile.store(out.to(dtype))  # Q is no longer read: its buffer stages O for the TMA store
         fence_async_shared()
@@ -177,25 +206,25 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
 
 @gluon.jit
 def _consumer0(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               BLOCK_M: gl.constexpr,
+               FP8: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 0, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    _consumer(args, 0, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
 def _consumer1(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               BLOCK_M: gl.constexpr,
+               FP8: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 1, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    _consumer(args, 1, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
 def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               BLOCK_M: gl.constexpr,
+              FP8: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale) = args
+     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales) = args
     b, h, hk, row0, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, row0, 0], q_bar,
@@ -211,16 +240,22 @@ def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.con
                                         k_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
         mbarrier.wait(v_empty.index(stage), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(stage),
-                                        v_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        if FP8:  # V^T: (D, keys) tiles
+            tma.async_copy_global_to_shared(v_desc, [b, hk, 0, j * BLOCK_N], v_ready.index(stage),
+                                            v_smem.index(stage).reshape([1, 1, HEAD_DIM, BLOCK_N]))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(stage),
+                                            v_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
 
 
 @gluon.jit
 def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om,
                   lse_ptr, stride_lb, stride_lh, stride_lm,
                   seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale,
+                  qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh,
+                  vd_ptr, stride_vdb, stride_vdh,
                   CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-                  BLOCK_M: gl.constexpr,
+                  FP8: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows each")
@@ -229,7 +264,11 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], tile_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    if FP8:  # fp8 wgmma reads B K-major: V^T tiles
+        vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], dtype)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], vt_layout)
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -248,32 +287,61 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
 
     args = (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb,
             stride_lh, stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-            seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale)
+            seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale,
+            (qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh, vd_ptr, stride_vdb,
+             stride_vdh))
     gl.warp_specialize([
-        (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _transposed(v):
+    """V^T as a (B, Hk, D, Sk) view of a buffer whose rows are padded to 16 bytes (TMA); the
+    descriptor's extent is Sk, so TMA zero-fills the keys past the end."""
+    batch, heads, seqlen, head_dim = v.shape
+    padded = -(-seqlen // 16) * 16
+    vt = v.new_empty((batch, heads, head_dim, padded))[..., :seqlen]
+    vt.view(torch.uint8).copy_(v.view(torch.uint8).transpose(2, 3))  # a byte copy: any fp8 view
+    return vt
 
 
 def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: float,
            block_m: int, block_n: int, num_stages: int, pingpong: bool = True,
+           descales: tuple | None = None,
            consumer_regs: int = CONSUMER_REGS, producer_regs: int = PRODUCER_REGS,
            maxnreg: int = MAXNREG) -> None:
     """q/k/v: (B, H, S, D) views with 16-byte aligned strides; o: (B, Hq, Sq, D) view of any
-    float dtype and strides (a TMA store when it is q's dtype and aligned); lse: (B, Hq, Sq) fp32."""
+    float dtype and strides (a TMA store when it is q's dtype and aligned); lse: (B, Hq, Sq) fp32.
+
+    float8 e4m3 q/k/v: `descales` = (q, k, v) fp32 views (B|1, H|1, 1) (fmha.fp8.check_descales;
+    q's H is Hq or Hk, None is 1); V is transposed into a scratch buffer first (fp8 wgmma
+    reads its B operand K-major), one extra pass over V."""
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
     grid = (triton.cdiv(seqlen_q, block_m) * batch * nheads_q,)
     q_desc = descriptor(q, WG_ROWS.value)
     o_tma = o.dtype == q.dtype and tma_aligned(o)
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if fp8:
+        v_desc = descriptor(_transposed(v), head_dim, block_n)
+        one = torch.ones((1, 1, 1), dtype=torch.float32, device=q.device)
+        qd, kd, vd = (one if d is None else d for d in (descales or (None, None, None)))
+        qd_group = nheads_q // qd.shape[1] if qd.shape[1] > 1 else 1
+        fp8_args = (qd, qd.stride(0), qd.stride(1), qd_group, kd, kd.stride(0), kd.stride(1),
+                    vd, vd.stride(0), vd.stride(1))
+    else:
+        v_desc = descriptor(v, block_n)
+        fp8_args = (None, 0, 0, 1, None, 0, 0, None, 0, 0)
     fwd_ws_kernel[grid](
-        q_desc, descriptor(k, block_n), descriptor(v, block_n),
+        q_desc, descriptor(k, block_n), v_desc,
         descriptor(o, WG_ROWS.value) if o_tma else q_desc,  # unused without O_TMA
         o, *o.stride()[:3], lse, *lse.stride(),
-        seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE),
-        CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, BLOCK_M=block_m,
+        seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE.value),
+        *fp8_args,
+        CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         num_warps=4, maxnreg=maxnreg,
     )
@@ -282,15 +350,24 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
                  causal: bool, pingpong: bool) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `fwd_ws_kernel` as `launch` calls it, for an
-    ahead-of-time compile (fmha kernels build) without a GPU. dtype: "fp16" or "bf16"."""
-    def desc(rows):
-        return descriptor_type(dtype, rows, head_dim)
+    ahead-of-time compile (fmha kernels build) without a GPU. dtype: "fp16", "bf16" or
+    "fp8e4nv" (bf16 output)."""
+    fp8 = dtype == "fp8e4nv"
 
-    types = {"q_desc": desc(WG_ROWS.value), "k_desc": desc(block_n), "v_desc": desc(block_n),
-             "o_desc": desc(WG_ROWS.value), "o_ptr": f"*{dtype}", "lse_ptr": "*fp32", "qk_scale": "fp32"}
-    constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=True, PINGPONG=pingpong, BLOCK_M=block_m,
+    def desc(rows, cols=head_dim):
+        return descriptor_type(dtype, rows, cols)
+
+    out = "bf16" if fp8 else dtype
+    types = {"q_desc": desc(WG_ROWS.value), "k_desc": desc(block_n),
+             "v_desc": desc(head_dim, block_n) if fp8 else desc(block_n),
+             "o_desc": desc(WG_ROWS.value), "o_ptr": f"*{out}", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=not fp8, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
                       BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS,
                       PRODUCER_REGS=PRODUCER_REGS)
+    if fp8:
+        types.update(qd_ptr="*fp32", kd_ptr="*fp32", vd_ptr="*fp32")
+    else:
+        constexprs.update(qd_ptr=None, kd_ptr=None, vd_ptr=None)
     # In the kernel's argument order; the other arguments are strides and sizes (i32).
     signature = {name: types.get(name, "i32") for name in fwd_ws_kernel.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))

@@ -7,20 +7,21 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-_ELEMENTS = {"fp16": gl.float16, "bf16": gl.bfloat16}
-_TORCH_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}
+_ELEMENTS = {"fp16": gl.float16, "bf16": gl.bfloat16, "fp8e4nv": gl.float8e4nv}
+_TORCH_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float8_e4m3fn": "fp8e4nv"}
 
 
 @gluon.constexpr_function
-def acc_layout(rows, cols, num_warps):
+def acc_layout(rows, cols, num_warps, instr_k=16):
     """wgmma accumulator layout of a [rows, cols] tile: warps down the rows first (16 rows
-    per warp), then across the columns; the widest instruction N that divides a warp's columns."""
+    per warp), then across the columns; the widest instruction N that divides a warp's columns.
+    instr_k: the instruction's K, 16 for 16-bit operands, 32 for fp8."""
     wm = min(num_warps, rows // 16)
     wn = num_warps // wm
     n = 256
     while n > cols // wn or (cols // wn) % n != 0:
         n -= 8
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, n, 16])
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, n, instr_k])
 
 
 def tma_aligned(*tensors) -> bool:
@@ -36,21 +37,22 @@ def tma_aligned(*tensors) -> bool:
     return True
 
 
-def _shared_layout(element, rows: int, head_dim: int):
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], element)
+def _shared_layout(element, rows: int, cols: int):
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], element)
 
 
-def descriptor(t, block_rows: int):
-    """A 4-d TMA descriptor over a (B, H, S, D) view: loads/stores of one (b, h) row block."""
+def descriptor(t, block_rows: int, block_cols: int | None = None):
+    """A 4-d TMA descriptor over a (B, H, S, D) view: loads/stores of one (b, h) block of
+    `block_rows` rows and `block_cols` columns (default: all D)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     element = _ELEMENTS[_TORCH_NAMES[str(t.dtype)]]
-    block = [1, 1, block_rows, t.shape[-1]]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
-                            _shared_layout(element, block_rows, t.shape[-1]))
+    cols = block_cols or t.shape[-1]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_rows, cols],
+                            _shared_layout(element, block_rows, cols))
 
 
-def descriptor_type(dtype: str, block_rows: int, head_dim: int) -> str:
-    """The signature string of `descriptor(t, block_rows)` for an ahead-of-time compile."""
-    layout = _shared_layout(_ELEMENTS[dtype], block_rows, head_dim)
-    return f"tensordesc<{dtype}[1,1,{block_rows},{head_dim}],{layout!r}>"
+def descriptor_type(dtype: str, block_rows: int, cols: int) -> str:
+    """The signature string of `descriptor(t, block_rows, cols)` for an ahead-of-time compile."""
+    layout = _shared_layout(_ELEMENTS[dtype], block_rows, cols)
+    return f"tensordesc<{dtype}[1,1,{block_rows},{cols}],{layout!r}>"
