@@ -53,7 +53,7 @@ def splitkv_jobs():
                 continue  # same code paths as "paged rows" / the paged modes: once is enough
             for varlen, features, split in ((False, False, True), (bm >= 32, True, False)):
                 constexprs = dict(PAGED=paged, TABLE_INDPTR=indptr, PAGE_PER_TILE=per_tile,
-                                  HAS_CACHE_BATCH_IDX=batch_idx, IS_VARLEN=varlen, SPLIT=split,
+                                  HAS_CACHE_BATCH_IDX=batch_idx, IS_VARLEN=varlen, SPLIT=split, KV_FP8=False,
                                   DOT_PRECISION="ieee", BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=d, BLOCK_DV=d,
                                   **dict.fromkeys(FEATURES, features))
                 out = "fp32" if split else dt

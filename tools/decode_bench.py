@@ -1,13 +1,22 @@
 """Decode bandwidth on a GPU: fmha.attention_with_kvcache (contiguous, paged through a
 block table with pages of 16/64/256, FlashInfer-style indptr tables) against SDPA cuDNN
 and SDPA flash, plus variants of the split-KV kernel (BLOCK_N, warps, stages) and forced
-split counts, so one run shows which config and split policy to keep.
+split counts (block table and indptr tables alike), so one run shows which config and
+split policy to keep.
 
 Bandwidth = bytes of K and V in the cache (full caches: B * S * Hk * D * 2 tensors) over
 the median time. Contenders are measured in alternating rounds (each round runs every
-contender once), and each fmha output is checked against SDPA's. Writes JSON:
+contender once), and each fmha output is checked against SDPA's. Three times per
+contender, because a decode step's kernels (~250 us here) are as short as the Python
+that launches them:
+- `us`: eager calls under triton's do_bench. When the host path of a call is slower than
+  its kernels, this measures the host (do_bench's events wait for the launch);
+- `graph_us`: the same call captured in a CUDA graph and replayed: the GPU time alone;
+- `host_us`: wall time per call of back-to-back eager calls without synchronising (the
+  GPU queue absorbs them): the host path, launches included.
+A row with host_us close to us is host-bound. Writes JSON:
 
-    PYTHONPATH=src python tools/decode_bench.py --out $OUT/decode_bench.json [--quick]
+    PYTHONPATH=src python tools/decode_bench.py --out $OUT/decode_bench.json [--quick] [--no-graph]
 """
 
 from __future__ import annotations
@@ -74,10 +83,10 @@ def contenders(B, Hq, Hk, S, D, quick: bool):
         runs.append((DEFAULT_TILE, kind, 0))
     tiles = TILES[:2] if quick else TILES
     for tile in tiles[1:]:
-        for kind in ("contiguous", "paged(64)"):
+        for kind in ("contiguous", "paged(64)", "indptr(64)"):
             runs.append((tile, kind, 0))
     for splits in (SPLITS[:4] if quick else SPLITS):
-        for kind in ("contiguous", "paged(64)"):
+        for kind in ("contiguous", "paged(64)", "indptr(64)"):
             runs.append((DEFAULT_TILE, kind, splits))
     qs, kq, vq = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
 
@@ -105,11 +114,50 @@ def timed(entry) -> float:
         fmha.set_dispatcher(None)
 
 
+def host_us(entry, calls: int = 30) -> float:
+    """Host time per call: back-to-back calls without synchronising (the GPU's queue takes
+    them), after a synchronise; the wall time until the last call returns."""
+    fmha.set_dispatcher(entry.get("dispatcher"))
+    try:
+        fn = entry["fn"]
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return elapsed / calls * 1e6
+    finally:
+        fmha.set_dispatcher(None)
+
+
+def graphed(entry):
+    """The contender captured in a CUDA graph (its dispatcher installed while capturing):
+    the replay runs its kernels with no Python in between."""
+    fmha.set_dispatcher(entry.get("dispatcher"))
+    try:
+        fn = entry["fn"]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph
+    finally:
+        fmha.set_dispatcher(None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--quick", action="store_true", help="fewer variants (a smoke run)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     print(f"{device}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
@@ -139,19 +187,33 @@ def main() -> None:
             entries[name] = dict(name=name, fn=fn, dispatcher=dispatcher, kind=kind, block_n=tile[0],
                                  warps=tile[1], stages=tile[2], splits=splits or "auto", splits_used=used,
                                  max_abs_diff_vs_cudnn=err)
+        graphs = {}
+        for name, entry in entries.items():
+            if "fn" in entry and not args.no_graph:
+                try:
+                    graphs[name] = graphed(entry)
+                except Exception as e:  # reported; the eager timings still run
+                    entry["graph_error"] = str(e)[:500]
+                    print(f"{name}: graph capture failed: {str(e).splitlines()[0][:200]}", flush=True)
         times: dict[str, list[float]] = {}
+        graph_times: dict[str, list[float]] = {}
+        host_times: dict[str, list[float]] = {}
         for _ in range(args.rounds):  # alternate contenders
             for name, entry in entries.items():
                 if "fn" not in entry:
                     continue
                 try:
                     ms = timed(entry)
+                    host_times.setdefault(name, []).append(host_us(entry))
                 except Exception as e:
                     entry.pop("fn")
                     entry["error"] = str(e)[:500]
                     print(f"{name}: failed: {str(e).splitlines()[0][:200]}", flush=True)
                     continue
                 times.setdefault(name, []).append(ms)
+                if name in graphs:
+                    graph_times.setdefault(name, []).append(
+                        triton.testing.do_bench(graphs[name].replay, warmup=10, rep=40, return_mode="median"))
         rows = []
         for name, entry in entries.items():
             entry.pop("fn", None)
@@ -159,7 +221,13 @@ def main() -> None:
             if name in times:
                 ms = statistics.median(times[name])
                 entry.update(us=ms * 1e3, tb_per_s=kv_bytes / ms / 1e9, rounds_us=[t * 1e3 for t in times[name]])
+            if name in host_times:
+                entry["host_us"] = statistics.median(host_times[name])
+            if name in graph_times:
+                gms = statistics.median(graph_times[name])
+                entry.update(graph_us=gms * 1e3, graph_tb_per_s=kv_bytes / gms / 1e9)
             rows.append(entry)
+        del graphs
         cudnn_us = entries["sdpa cudnn"].get("us")
         fmha_rows = [r for r in rows if r["name"].startswith("fmha") and "us" in r]
         best = {}
@@ -169,15 +237,31 @@ def main() -> None:
                 b = min(of_kind, key=lambda r: r["us"])
                 best[kind] = dict(name=b["name"], us=b["us"], tb_per_s=b["tb_per_s"],
                                   vs_cudnn=(cudnn_us / b["us"]) if cudnn_us else None)
+                auto = [r for r in of_kind if r["splits"] == "auto" and r["block_n"] == DEFAULT_TILE[0]
+                        and (r["warps"], r["stages"]) == DEFAULT_TILE[1:]]
+                if auto:  # what a user gets: the default tile and num_splits=0
+                    best[kind]["default"] = dict(name=auto[0]["name"], us=auto[0]["us"],
+                                                 graph_us=auto[0].get("graph_us"), host_us=auto[0].get("host_us"),
+                                                 vs_cudnn=(cudnn_us / auto[0]["us"]) if cudnn_us else None)
         shape = dict(B=B, Hq=Hq, Hk=Hk, Sk=S, D=D, dtype="bf16", kv_bytes=kv_bytes)
         report["shapes"].append(dict(shape=shape, results=rows, best_per_cache=best, seconds=time.time() - t0))
         print(f"\nB={B} Hq={Hq} Hk={Hk} S={S} D={D}  ({time.time() - t0:.0f} s)")
+        print(f"  {'contender':<48} {'eager':>11} {'':>11} {'graph':>11} {'host':>9}  (us: time per call)")
         for r in sorted(rows, key=lambda r: r.get("us", float("inf"))):
             if "us" in r:
+                graph = f"{r['graph_us']:8.1f} us" if "graph_us" in r else f"{'-':>11}"
+                host = f"{r['host_us']:6.1f} us" if "host_us" in r else f"{'-':>9}"
+                bound = " host-bound" if r.get("host_us", 0) >= 0.8 * r["us"] else ""
                 extra = f" used={r['splits_used']} diff={r['max_abs_diff_vs_cudnn']:.1e}" if "splits_used" in r else ""
-                print(f"  {r['name']:<48} {r['us']:8.1f} us {r['tb_per_s']:6.2f} TB/s{extra}")
+                print(f"  {r['name']:<48} {r['us']:8.1f} us {r['tb_per_s']:6.2f} TB/s {graph} {host}{bound}{extra}")
         for kind, b in best.items():
             print(f"  best {kind:<12} {b['name']}: {b['tb_per_s']:.2f} TB/s, x{b['vs_cudnn'] or 0:.2f} of cuDNN")
+            if "default" in b:
+                d = b["default"]
+                graph = f"{d['graph_us']:.1f} us" if d["graph_us"] is not None else "-"
+                host = f"{d['host_us']:.1f} us" if d["host_us"] is not None else "-"
+                print(f"       default (num_splits=0): {d['us']:.1f} us, x{d['vs_cudnn'] or 0:.2f} of cuDNN, "
+                      f"graph {graph}, host {host}")
         del q, caches, runs, baselines
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:

@@ -35,6 +35,9 @@ def set_dispatcher(dispatcher: Dispatcher | None) -> None:
     _dispatcher = dispatcher
     _plan_forward.cache_clear()
     _plan_backward.cache_clear()
+    from .kvcache import clear_plans  # imported here: fmha.kvcache imports this module
+
+    clear_plans()
 
 
 def get_dispatcher() -> Dispatcher:

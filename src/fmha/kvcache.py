@@ -11,12 +11,18 @@ chunked prefill and decode sequences in one call). Nothing here reads a device t
 the host (unless debug mode checks values), so a step can be captured in a CUDA graph.
 Keys may be split across programs (flash-decoding); partial results are merged by the
 combine kernel, which also serves `merge_states`.
+
+Host cost per call (a decode step's kernels take a few hundred microseconds, so Python on
+the way to them matters, tools/host_overhead.py): the dispatcher's answer (configs, split
+count) is cached per problem; the FlashInfer/SGLang tables go to the kernel as they are
+(it computes each sequence's key count), so they cost no device ops of their own.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +30,7 @@ import torch
 from . import validation as V
 from .api import _algorithm_args, _arch_of, _device_guard, get_dispatcher
 from .configs import Family
+from .dispatcher import Dispatcher
 from .kernels.loader import family_module
 from .problem import MaskAlign, Problem
 
@@ -33,6 +40,17 @@ Tensor = torch.Tensor
 @functools.lru_cache(maxsize=16)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+@functools.lru_cache(maxsize=16)
+def _arch(device: torch.device) -> str:
+    return _arch_of(device)
+
+
+def _reads_values(device: torch.device) -> bool:
+    """Whether index values are checked on the host: always for CPU tensors, for CUDA tensors
+    only in debug mode (a read waits for the GPU and cannot be captured in a CUDA graph)."""
+    return device.type == "cpu" or V.debug_enabled()
 
 
 def _check_index(name: str, t, ndim: int, device) -> None:
@@ -89,10 +107,13 @@ def _check_queries(q, cu_seqlens_q, max_seqlen_q) -> _Queries:
 class _CacheIndex:
     """Where each sequence's keys are, and how many there are (device tensors)."""
 
-    base: Tensor  # int32 (B,): tokens before this call's append (new tokens go at base + t)
-    seqlens_k: Tensor  # int32 (B,): keys attended to, base + new tokens
+    base: Tensor | None  # int32 (B,): tokens before this call's append (new tokens go at
+    # base + t); None with indptr tables and nothing to append (no launch reads it)
+    seqlens_k: Tensor | None  # int32 (B,): keys attended to, base + new tokens; None with
+    # indptr tables: the attention kernel computes them from kv_indptr and last_page_len
     table: Tensor | None  # block_table (B, max_pages), or kv_indices with indptr
     indptr: Tensor | None  # kv_indptr (B + 1,)
+    last_page_len: Tensor | None  # kv_last_page_len (B,) with indptr
     cache_batch_idx: Tensor | None
     seqlen_k: int  # for kernel choice: the capacity, or the mean length for indptr tables
 
@@ -126,13 +147,15 @@ def _cache_index(qs: _Queries, k_cache, n_new, *, cache_seqlens, block_table, ca
         if kv_last_page_len.numel() != batch:
             raise ValueError(f"kv_last_page_len has {kv_last_page_len.numel()} entries; accepted: batch={batch}")
         page_size = k_cache.shape[1]
-        pages = kv_indptr[1:] - kv_indptr[:-1]
-        seqlens_k = torch.where(pages > 0, (pages - 1) * page_size + kv_last_page_len, 0).to(torch.int32)
-        base = seqlens_k if _no_new(n_new) else seqlens_k - n_new
-        if device.type == "cpu" or V.debug_enabled():
+        if _reads_values(device):
             _check_indptr_values(kv_indptr, kv_indices, kv_last_page_len, n_new, page_size, k_cache.shape[0])
+        base = None
+        if not _no_new(n_new):  # the append kernel needs the positions: L - Snew (device ops)
+            pages = kv_indptr[1:] - kv_indptr[:-1]
+            lengths = torch.where(pages > 0, (pages - 1) * page_size + kv_last_page_len, 0)
+            base = (lengths - n_new).to(torch.int32)
         mean_pages = -(-kv_indices.numel() // max(batch, 1))
-        return _CacheIndex(base.to(torch.int32), seqlens_k, kv_indices, kv_indptr, None,
+        return _CacheIndex(base, None, kv_indices, kv_indptr, kv_last_page_len, None,
                            max(1, mean_pages * page_size))
     if block_table is not None:
         _check_index("block_table", block_table, 2, device)
@@ -158,10 +181,70 @@ def _cache_index(qs: _Queries, k_cache, n_new, *, cache_seqlens, block_table, ca
     _check_index("cache_seqlens", cache_seqlens, 1, device)
     if cache_seqlens.numel() != batch:
         raise ValueError(f"cache_seqlens has {cache_seqlens.numel()} entries; accepted: batch={batch}")
-    if device.type == "cpu" or V.debug_enabled():
+    if _reads_values(device):
         _check_kvcache_values(cache_seqlens, n_new, capacity, block_table, k_cache.shape[0], cache_batch_idx)
-    seqlens_k = cache_seqlens if _no_new(n_new) else cache_seqlens + n_new
-    return _CacheIndex(cache_seqlens, seqlens_k.to(torch.int32), block_table, None, cache_batch_idx, capacity)
+    seqlens_k = cache_seqlens if _no_new(n_new) else (cache_seqlens + n_new).to(torch.int32)
+    return _CacheIndex(cache_seqlens, seqlens_k, block_table, None, None, cache_batch_idx, capacity)
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    """What one KV-cache call launches: the split count and each kernel's config arguments."""
+
+    splits: int
+    attention: dict  # split-KV kernel: tile, warps, stages, dot precision
+    append: dict | None  # append kernel, when new k/v are given
+    combine: dict | None  # combine kernel, with splits > 1
+
+
+# Decode steps repeat a few shapes, and the dispatcher's answer for one (registry scans, a
+# tuning-database lookup, the split policy) costs more Python than the rest of the call:
+# it is cached per dispatcher, keyed by the problem, the call's choices and the dispatcher's
+# parts (another registry, heuristic, tuning database or split policy is another key).
+# As for dense calls (api._plan_forward), fmha.set_dispatcher clears it: a tuning database
+# edited after the first call of a shape is read again after set_dispatcher.
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLANS_MAX = 1024  # per dispatcher
+
+
+def clear_plans() -> None:
+    """Forget every cached KV-cache plan (fmha.set_dispatcher calls this)."""
+    _PLANS.clear()
+
+
+def _decode_plan(dispatcher: Dispatcher, problem: Problem, *, append: bool, num_splits: int,
+                 sm_count: int) -> _DecodePlan:
+    """The kernels of a call (num_splits 0: the dispatcher's split policy picks), cached."""
+    plans = _PLANS.get(dispatcher)
+    if plans is None:
+        plans = _PLANS.setdefault(dispatcher, {})
+    registry = dispatcher.registry
+    key = (problem, append, num_splits, sm_count, dispatcher.split_policy, registry, len(registry),
+           dispatcher.heuristic, dispatcher.tuning)
+    try:
+        plan = plans.get(key)
+    except TypeError:  # an unhashable heuristic (a callable object with __eq__): not cached
+        return _make_decode_plan(dispatcher, problem, append=append, num_splits=num_splits, sm_count=sm_count)
+    if plan is None:
+        plan = _make_decode_plan(dispatcher, problem, append=append, num_splits=num_splits, sm_count=sm_count)
+        if len(plans) >= _PLANS_MAX:
+            plans.clear()
+        plans[key] = plan
+    return plan
+
+
+def _make_decode_plan(dispatcher: Dispatcher, problem: Problem, *, append: bool, num_splits: int,
+                      sm_count: int) -> _DecodePlan:
+    attn_config, _ = dispatcher.select(problem, Family.FWD_SPLITKV)
+    algorithm = attn_config.algorithm
+    splits = num_splits or dispatcher.num_splits(problem, sm_count, algorithm.block_m, algorithm.block_n)
+    plan = dispatcher.plan_kvcache(problem, append=append, num_splits=splits)
+    return _DecodePlan(
+        splits=splits,
+        attention=dict(_algorithm_args(attn_config), dot_precision=algorithm.dot_precision),
+        append=_algorithm_args(plan.config(Family.APPEND_KV)) if append else None,
+        combine=_algorithm_args(plan.config(Family.SPLITKV_COMBINE)) if splits > 1 else None,
+    )
 
 
 def attention_with_kvcache(
@@ -269,25 +352,22 @@ def attention_with_kvcache(
     problem = Problem(
         batch=batch, nhead_q=nhead_q, nhead_k=nhead_k, seqlen_q=seqlen_q, seqlen_k=cache.seqlen_k,
         head_dim_qk=head_dim, head_dim_v=v_cache.shape[-1], dtype=dtype, layout="bshd",
-        arch=_arch_of(q.device), causal=causal, window=(left, right), mask_align=align,
+        arch=_arch(q.device), causal=causal, window=(left, right), mask_align=align,
         sink_size=sink_size, alibi=alibi_slopes is not None, softcap=float(softcap),
         sinks=sinks is not None, varlen=qs.varlen, seqused_k=True, paged_kv=paged,
     )
-    dispatcher = get_dispatcher()
-    attn_config, _ = dispatcher.select(problem, Family.FWD_SPLITKV)
-    splits = num_splits or dispatcher.num_splits(problem, _sm_count(q.device),
-                                                 attn_config.algorithm.block_m,
-                                                 attn_config.algorithm.block_n)
-    plan = dispatcher.plan_kvcache(problem, append=k is not None, num_splits=splits)
+    plan = _decode_plan(get_dispatcher(), problem, append=k is not None, num_splits=num_splits,
+                        sm_count=_sm_count(q.device))
+    splits = plan.splits
     kernels = family_module("kvcache", interpreted=q.device.type == "cpu")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     alibi2 = None if alibi_slopes is None else (alibi_slopes[None] if alibi_slopes.dim() == 1 else alibi_slopes)
-    pages = dict(block_table=cache.table, kv_indptr=cache.indptr)
+    pages = dict(block_table=cache.table, kv_indptr=cache.indptr)  # block_table, or kv_indices + kv_indptr
     varlen = dict(cu_seqlens=qs.cu_seqlens_q, max_seqlen=seqlen_q) if qs.varlen else {}
 
     with _device_guard(q):
         if k is not None:
-            append = _algorithm_args(plan.config(Family.APPEND_KV))
+            append = plan.append
             cos_sin = dict(cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved) if rotary else {}
             if kv_fp8:  # the cache holds x / descale; rounded to float8 by the append
                 if qs.varlen:  # (total_q, Hk, D); descales are per tensor here (checked above)
@@ -307,12 +387,13 @@ def attention_with_kvcache(
         o = q.new_empty((*rows, nhead_q, head_dim_v))
         lse_shape = (nhead_q, q.shape[0]) if qs.varlen else (batch, nhead_q, seqlen_q)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-        attn = dict(seqlens_k=cache.seqlens_k, cache_batch_idx=cache.cache_batch_idx, **pages,
+        attn = dict(seqlens_k=cache.seqlens_k, kv_last_page_len=cache.last_page_len,
+                    cache_batch_idx=cache.cache_batch_idx, **pages,
                     cu_seqlens_q=qs.cu_seqlens_q, max_seqlen_q=seqlen_q if qs.varlen else 0,
                     alibi_slopes=alibi2, sinks=sinks, scale=scale, softcap=float(softcap),
                     window=(left, right), sink_size=sink_size,
                     align_bottom_right=align == MaskAlign.BOTTOM_RIGHT,
-                    **_algorithm_args(attn_config), dot_precision=attn_config.algorithm.dot_precision,
+                    **plan.attention,
                     **(dict(k_descale=kd2, v_descale=vd2) if kv_fp8 else {}))
         if splits == 1:
             kernels.launch_attention(q, k_cache, v_cache, o, lse, num_splits=1, **attn)
@@ -326,7 +407,7 @@ def attention_with_kvcache(
             o4, lse3 = (o[None], lse[None]) if qs.varlen else (o, lse)
             kernels.launch_combine(o_parts.view(splits, -1, head_dim_v), lse_parts.view(splits, -1), o4, lse3,
                                    nheads=nhead_q, seqlen=o4.shape[1], sinks=sinks,
-                                   **_algorithm_args(plan.config(Family.SPLITKV_COMBINE)))
+                                   **plan.combine)
     return (o, lse) if return_lse else o
 
 
@@ -392,7 +473,7 @@ def _check_cache_descales(kv_fp8, k_cache, k_descale, v_descale, batch, nhead_k,
         else:
             raise ValueError(f"{name} has shape {tuple(d.shape)}; accepted: () or (1,) per tensor, or "
                              f"({batch}, {nhead_k}) per (batch, KV head)")
-        if (device.type == "cpu" or V.debug_enabled()) and not bool((torch.isfinite(d) & (d > 0)).all()):
+        if _reads_values(device) and not bool((torch.isfinite(d) & (d > 0)).all()):
             raise ValueError(f"{name} must be finite and > 0 everywhere")
     return views[0], views[1]
 

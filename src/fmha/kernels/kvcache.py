@@ -6,7 +6,9 @@
 (num_pages, page_size, Hk, D). Pages are found through a vLLM-style `block_table`
 (row b at b * stride) or FlashInfer/SGLang tables (row b at `kv_indptr[b]` of the flat
 `kv_indices`); both are one "table row" per sequence. Per-batch key counts are read on
-the device (no host synchronisation, CUDA-graph safe). With several splits each program
+the device (no host synchronisation, CUDA-graph safe): `seqlens_k[b]`, or with
+FlashInfer/SGLang tables computed in the kernel from `kv_indptr` and `kv_last_page_len`
+(no per-call conversion of the tables on the host). With several splits each program
 covers one slice of the keys and writes an fp32 partial output and its LSE;
 `combine_kernel` merges them (also the engine of `fmha.merge_states`).
 `rotary_append_kernel`: rotates rows (RoPE, interleaved or half-split) and writes them
@@ -31,6 +33,17 @@ def _table_row(b, b_row, KvIndptr, stride_btb, TABLE_INDPTR: tl.constexpr):
     if TABLE_INDPTR:
         return tl.load(KvIndptr + b)
     return b_row * stride_btb
+
+
+@triton.jit
+def _seqlen_k(b, table_row, SeqlensK, KvIndptr, page_size, TABLE_INDPTR: tl.constexpr):
+    """Keys of sequence b: SeqlensK[b]; with FlashInfer/SGLang tables SeqlensK is
+    kv_last_page_len and table_row is kv_indptr[b]: (pages - 1) * page_size +
+    kv_last_page_len[b], or 0 for a sequence without pages."""
+    if TABLE_INDPTR:
+        pages = tl.load(KvIndptr + b + 1) - table_row
+        return tl.where(pages > 0, (pages - 1) * page_size + tl.load(SeqlensK + b), 0)
+    return tl.load(SeqlensK + b)
 
 
 @triton.jit
@@ -104,13 +117,13 @@ def splitkv_kernel(
     packed = len_q * group_size
     if pid_m * BLOCK_M >= packed:
         return
-    len_k = tl.load(SeqlensK + b)
     b_row = b
     if HAS_CACHE_BATCH_IDX:
         b_row = tl.load(CacheBatchIdx + b)
     table_row = 0
     if PAGED:
         table_row = _table_row(b, b_row, KvIndptr, stride_btb, TABLE_INDPTR)
+    len_k = _seqlen_k(b, table_row, SeqlensK, KvIndptr, page_size, TABLE_INDPTR)
     diag_offset = 0
     if ALIGN_BOTTOM_RIGHT:
         diag_offset = len_k - len_q
@@ -344,8 +357,8 @@ def _paging(block_table, kv_indptr, page_size: int, block_n: int) -> dict:
     )
 
 
-def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table=None, kv_indptr=None,
-                     cache_batch_idx=None, cu_seqlens_q=None, max_seqlen_q: int = 0,
+def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table=None, kv_indptr=None,
+                     kv_last_page_len=None, cache_batch_idx=None, cu_seqlens_q=None, max_seqlen_q: int = 0,
                      alibi_slopes=None, sinks=None, num_splits: int, scale: float, softcap: float,
                      window: tuple[int, int], sink_size: int, align_bottom_right: bool,
                      block_m: int, block_n: int, num_warps: int, num_stages: int,
@@ -353,8 +366,9 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table=None
     """q (B, Sq, Hq, D), or packed (total_q, Hq, D) with cu_seqlens_q (B + 1,) and
     max_seqlen_q; caches (B_cache, S, Hk, D) or (pages, page_size, Hk, D) with a
     block_table (B, max_pages), or kv_indptr (B + 1,) and the flat kv_indices as block_table.
-    float8 caches: k_descale/v_descale are fp32 (B or 1, Hk or 1) views (zero strides
-    where they broadcast).
+    Key counts: seqlens_k (B,), or with kv_indptr the kernel computes them from kv_indptr
+    and kv_last_page_len (B,) (then seqlens_k is not used). float8 caches: k_descale and
+    v_descale are fp32 (B or 1, Hk or 1) views (zero strides where they broadcast).
 
     num_splits == 1: o (B, Sq, Hq, Dv) [varlen: (total_q, Hq, Dv)] and lse (B, Hq, Sq)
     [(Hq, total_q)] are final. num_splits > 1: o is (splits, B, Hq, Sq, Dv) fp32
@@ -379,7 +393,11 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table=None
     else:
         o_strides = (o.stride(1), o.stride(3), o.stride(2), o.stride(0)) if split else (*o.stride()[:3], 0)
         lse_strides = (lse.stride(1), lse.stride(2), lse.stride(3), lse.stride(0)) if split else (*lse.stride(), 0)
-    dummy = seqlens_k
+    # the kernel's SeqlensK: the key counts, or kv_last_page_len with indptr tables
+    lengths = kv_last_page_len if kv_indptr is not None else seqlens_k
+    if lengths is None:
+        raise ValueError("launch_attention needs seqlens_k, or kv_last_page_len with kv_indptr")
+    dummy = lengths
     left, right = window
     grid = (triton.cdiv(seqlen_q * (nheads_q // nheads_k), block_m) * batch * nheads_k * num_splits,)
     if grid[0] == 0:
@@ -389,7 +407,7 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table=None
         q, k_cache, v_cache, o, lse,
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
         block_table if block_table is not None else dummy, kv_indptr if kv_indptr is not None else dummy,
-        cache_batch_idx if cache_batch_idx is not None else dummy, seqlens_k,
+        cache_batch_idx if cache_batch_idx is not None else dummy, lengths,
         cu_seqlens_q if varlen else dummy,
         *q_strides,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
