@@ -3,7 +3,7 @@
 B=4, H=16, S 4096/8192, D 64/128/256, bf16, causal and not (plus the GQA shape 4x32/8 at
 8192). Contenders alternate within each round; the median over rounds is reported.
 
-    PYTHONPATH=src python tools/bench_gluon.py [--rounds N] [--quick]   (writes $OUT/bench_gluon.json)
+    PYTHONPATH=src python tools/bench_gluon.py [--rounds N] [--quick] [--hdims 64,128]   (writes $OUT/bench_gluon.json)
 """
 
 import json
@@ -19,9 +19,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fmha.kernels import fwd, fwd_gluon
 
-# (block_n, stages, pingpong) per head dim; the first is the registry's choice.
+# (block_n, stages, pingpong[, block_m]) per head dim; the first is the registry's choice.
 GLUON_VARIANTS = {
-    64: [(128, 3, True), (128, 3, False), (128, 4, True)],
+    64: [(128, 3, False), (64, 3, False, 192), (64, 4, False, 192), (64, 3, True, 192)],
     128: [(128, 2, True), (128, 2, False), (64, 3, True)],
     256: [(64, 2, True), (64, 2, False), (32, 4, True)],
 }
@@ -35,10 +35,11 @@ def contenders(q, k, v, causal):
     o = torch.empty_like(q)
     lse = torch.empty(b, hq, s, device=q.device, dtype=torch.float32)
     calls = {}
-    for bn, st, pp in GLUON_VARIANTS[d]:
-        name = f"gluon_n{bn}s{st}{'_pp' if pp else ''}"
-        calls[name] = (lambda bn=bn, st=st, pp=pp: fwd_gluon.launch(
-            q, k, v, o, lse, causal=causal, align_bottom_right=True, scale=scale, block_m=128,
+    for bn, st, pp, *m in GLUON_VARIANTS[d]:
+        bm = m[0] if m else 128
+        name = f"gluon_m{bm}n{bn}s{st}{'_pp' if pp else ''}"
+        calls[name] = (lambda bn=bn, st=st, pp=pp, bm=bm: fwd_gluon.launch(
+            q, k, v, o, lse, causal=causal, align_bottom_right=True, scale=scale, block_m=bm,
             block_n=bn, num_stages=st, pingpong=pp)) , o
     bm, bn, w, st = TRITON_TILE[d]
     o2 = torch.empty_like(q)
@@ -63,9 +64,11 @@ def main() -> int:
     quick = "--quick" in sys.argv
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    shapes = [(4, 16, 16, s, d, c) for s in ((4096,) if quick else (4096, 8192)) for d in (64, 128, 256)
+    hdims = [int(x) for x in sys.argv[sys.argv.index("--hdims") + 1].split(",")] if "--hdims" in sys.argv \
+        else [64, 128, 256]
+    shapes = [(4, 16, 16, s, d, c) for s in ((4096,) if quick else (4096, 8192)) for d in hdims
               for c in (False, True)]
-    shapes += [(4, 32, 8, 8192, 128, c) for c in (False, True)]
+    shapes += [(4, 32, 8, 8192, 128, c) for c in (False, True) if 128 in hdims]
     rows = []
     for b, hq, hk, s, d, causal in shapes:
         torch.manual_seed(0)

@@ -23,6 +23,16 @@ from fmha import Registry, default_registry
 from fmha.configs import Family
 from fmha.dispatcher import Dispatcher
 
+# "fmha_ldg_stats": the Gluon dK/dV with LSE/delta read by per-thread loads instead of TMA
+# (its fallback for unaligned LSE), to measure what the TMA path gains in the same run.
+STATS_VARIANTS = {"fmha": True, "fmha_ldg_stats": False}
+
+
+def _stats_tma(on: bool) -> None:
+    from fmha.kernels import bwd_gluon, gluon_common
+    bwd_gluon.tma_aligned = gluon_common.tma_aligned if on else (lambda *tensors: False)
+
+
 TRITON_BWD = Dispatcher(Registry([c for c in default_registry()
                                   if not (c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon)],
                                  name="no-gluon-bwd"))
@@ -46,7 +56,7 @@ def main() -> int:
         flops = 2.5 * 4.0 * b * hq * s * s * d / (2 if causal else 1)
         extra = {"enable_gqa": True} if hq != hk else {}
         graphs, grads, times = {}, {}, {}
-        for name in ("fmha", "fmha_triton", "cudnn", "flash"):
+        for name in ("fmha", "fmha_ldg_stats", "fmha_triton", "cudnn", "flash"):
             fmha.set_dispatcher(TRITON_BWD if name == "fmha_triton" else None)
             if name.startswith("fmha"):
                 o = fmha.attention(q, k, v, causal=causal)
@@ -55,7 +65,9 @@ def main() -> int:
                 with sdpa_kernel(backend):
                     o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, **extra)
             graphs[name] = o
+            _stats_tma(STATS_VARIANTS.get(name, True))
             grads[name] = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+            _stats_tma(True)
             times[name] = []
         fmha.set_dispatcher(None)
         diffs = {n: max((a.float() - r.float()).abs().max().item() for a, r in zip(g, grads["cudnn"], strict=True))
@@ -63,8 +75,10 @@ def main() -> int:
         for _ in range(rounds):
             for name, o in graphs.items():
                 fmha.set_dispatcher(TRITON_BWD if name == "fmha_triton" else None)
+                _stats_tma(STATS_VARIANTS.get(name, True))
                 times[name].append(triton.testing.do_bench(
                     lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), warmup=25, rep=100))
+                _stats_tma(True)
             fmha.set_dispatcher(None)
         tflops = {n: flops / (statistics.median(t) * 1e-3) / 1e12 for n, t in times.items()}
         row = {"shape": f"B={b} Hq={hq} Hk={hk} S={s} D={d} {'causal' if causal else 'full'}", "tflops": tflops,

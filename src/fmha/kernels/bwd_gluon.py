@@ -10,8 +10,11 @@ TMA stages, over every query head of the KV head's group. Per query tile, with w
     dQ_acc += dS K                                  (dS^T through shared memory; fp32 atomics)
 
 dK is scaled by the softmax scale at the end; dQ_acc is converted (and scaled) by the
-`bwd_convert_dq` kernel as for the Triton path. Scope: fp16/bf16, Dqk == Dv in {64, 128},
-no mask or causal in either alignment, GQA; TMA-aligned bhsd/bshd views.
+`bwd_convert_dq` kernel as for the Triton path. LSE and delta of each query tile come by TMA
+with Q and dO (STATS_TMA; per-thread loads where TMA cannot address them), and dQ goes out
+as `red.global.add.v2.f32` of column pairs (DQ_V2; scalar atomics if 8-byte alignment fails).
+Scope: fp16/bf16, Dqk == Dv in {64, 128}, no mask or causal in either alignment, GQA;
+TMA-aligned bhsd/bshd views.
 """
 
 from __future__ import annotations
@@ -27,27 +30,62 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import acc_layout, descriptor, descriptor_type
+from .gluon_common import acc_layout, descriptor, descriptor_type, tma_aligned
 
 LOG2E = gl.constexpr(1.4426950408889634)
 NUM_WARPS = gl.constexpr(8)
 
 
 @gluon.jit
-def _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it, m_start, n_m, hq0, b, BLOCK_M: gl.constexpr,
-               STAGES: gl.constexpr):
-    """TMA loads of the Q and dO tiles of iteration `it` (query head, query tile) into its stage."""
+def _load_tile(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, stat_ready, it,
+               m_start, n_m, hq0, b, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr):
+    """TMA loads of the Q and dO tiles of iteration `it` (query head, query tile) into its stage,
+    and with STATS_TMA its LSE and delta rows (zero past seqlen_q). LSE/delta signal their own
+    barrier, their copies interleaved with Q/dO's: Triton's shared-memory barrier analysis puts
+    a CTA barrier between two TMA copies on the same mbarrier, none between copies on different
+    ones (so the loop keeps its 4 CTA barriers; one mbarrier for all four copies makes it 6)."""
     stage = it % STAGES
     h = hq0 + it // n_m
     m0 = (m_start + it % n_m) * BLOCK_M
     bar = ready.index(stage)
     mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    if STATS_TMA:
+        stat_bar = stat_ready.index(stage)
+        mbarrier.expect(stat_bar, lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], bar, q_smem.index(stage).reshape(q_desc.block_type.shape))
+    if STATS_TMA:
+        tma.async_copy_global_to_shared(lse_desc, [b, h, m0], stat_bar,
+                                        lse_smem.index(stage).reshape(lse_desc.block_type.shape))
     tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], bar, do_smem.index(stage).reshape(do_desc.block_type.shape))
+    if STATS_TMA:
+        tma.async_copy_global_to_shared(delta_desc, [b, h, m0], stat_bar,
+                                        delta_smem.index(stage).reshape(delta_desc.block_type.shape))
 
 
 @gluon.jit
-def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+def _red_add_v2(ptrs, values, mask):
+    """`*ptrs += values` (fp32) where mask != 0, one `red.global.add.v2.f32` per two elements.
+
+    The accumulator layout gives each thread column pairs (2c, 2c+1) of a row, stored as
+    consecutive elements; pack=2 hands the asm consecutive elements, so each call gets one
+    pair: $2 the first column's address ($3 the second's, unused), {$4, $5} its values,
+    $6 its row's mask (checked in the PTX: tools/gluon_sass_report.py --dump). The caller
+    guarantees 8-byte aligned pairs. Same SASS (REDG.E.ADD.F32x2) as `gl.atomic_add` where
+    Triton proves that alignment from the launch's divisibility specialization."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        setp.ne.b32 p, $6, 0;
+        @p red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5};
+        mov.b32 $0, 0;
+        mov.b32 $1, 0;
+        }""",
+        "=r,=r,l,l,r,r,r,r", [ptrs, values.to(gl.int32, bitcast=True), mask], dtype=gl.int32, is_pure=False,
+        pack=2)  # the int32 result is a dummy: inline asm must return something
+
+
+@gluon.jit
+def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr, dv_ptr,
                     stride_lb, stride_lh, stride_lm,
                     stride_deb, stride_deh, stride_dem,
                     stride_dqb, stride_dqh, stride_dqm,
@@ -55,7 +93,9 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr,
                     stride_dvb, stride_dvh, stride_dvn,
                     seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale,
                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
+                    DQ_V2: gl.constexpr):
+    """lse, delta: TMA descriptors of (B, Hq, Sq) fp32 with STATS_TMA, else pointers."""
     dtype: gl.constexpr = q_desc.dtype
     st_layout: gl.constexpr = acc_layout(BLOCK_N, BLOCK_M, NUM_WARPS)  # S^T, dP^T: keys x queries
     kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, NUM_WARPS)  # dK, dV
@@ -86,18 +126,24 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr,
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_smem_layout)
+    stat_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_smem_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_smem_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    stat_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(stat_ready.index(i), count=1)
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem.reshape(k_desc.block_type.shape))
     tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem.reshape(v_desc.block_type.shape))
     for i in gl.static_range(STAGES - 1):
         if i < total:
-            _load_tile(q_desc, do_desc, q_smem, do_smem, ready, i, m_start, n_m, hq0, b, BLOCK_M, STAGES)
+            _load_tile(q_desc, do_desc, lse, delta, q_smem, do_smem, lse_smem, delta_smem, ready, stat_ready, i,
+                       m_start, n_m, hq0, b, BLOCK_M, STAGES, STATS_TMA)
 
     keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
@@ -117,14 +163,23 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr,
         st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-        q_ok = queries < seqlen_q
-        b64 = b.to(gl.int64)
-        # Queries past the end: LSE +inf gives P = 0.
-        lse2 = gl.load(lse_ptr + b64 * stride_lb + h * stride_lh + queries * stride_lm, mask=q_ok,
-                       other=float("inf")) * LOG2E
-        delta = gl.load(delta_ptr + b64 * stride_deb + h * stride_deh + queries * stride_dem, mask=q_ok, other=0.0)
+        # LSE*log2(e) and delta as [1, BLOCK_M] rows of the S^T layout. Queries past the end:
+        # LSE +inf gives P = 0 (and delta 0).
+        if STATS_TMA:  # from shared memory (broadcast reads), not 16 global loads per thread
+            mbarrier.wait(stat_ready.index(stage), (it // STAGES) & 1)
+            lse2 = lse_smem.index(stage).load(st_layout) * LOG2E
+            delta_row = delta_smem.index(stage).load(st_layout)
+            if m0 + BLOCK_M > seqlen_q:  # the TMA zero-filled the rows past the end
+                lse2 = gl.where(queries[None, :] < seqlen_q, lse2, float("inf"))
+        else:
+            q_ok = queries < seqlen_q
+            b64 = b.to(gl.int64)
+            lse2 = gl.load(lse + b64 * stride_lb + h * stride_lh + queries * stride_lm, mask=q_ok,
+                           other=float("inf"))[None, :] * LOG2E
+            delta_row = gl.load(delta + b64 * stride_deb + h * stride_deh + queries * stride_dem, mask=q_ok,
+                            other=0.0)[None, :]
         st = warpgroup_mma_wait(1, deps=(st,))
-        pt = gl.exp2(st * qk_scale - lse2[None, :])
+        pt = gl.exp2(st * qk_scale - lse2)
         need_mask = n0 + BLOCK_N > seqlen_k
         if CAUSAL:
             need_mask = need_mask | (m0 + diag < n0 + BLOCK_N - 1)
@@ -134,7 +189,7 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr,
                 ok = ok & (keys[:, None] <= queries[None, :] + diag)
             pt = gl.where(ok, pt, 0.0)
         dpt = warpgroup_mma_wait(0, deps=(dpt,))
-        dst = pt * (dpt - delta[None, :])
+        dst = pt * (dpt - delta_row)
         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
         dst16 = dst.to(dtype)
         dst_op = gl.convert_layout(dst16, a_layout)
@@ -145,14 +200,17 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr,
         fence_async_shared()
         gl.thread_barrier()  # dS^T complete in shared memory; every warp is past iteration it-1
         if it + STAGES - 1 < total:  # the stage of iteration it-1 is free: prefetch ahead
-            _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it + STAGES - 1, m_start, n_m, hq0, b,
-                       BLOCK_M, STAGES)
+            _load_tile(q_desc, do_desc, lse, delta, q_smem, do_smem, lse_smem, delta_smem, ready, stat_ready,
+                       it + STAGES - 1, m_start, n_m, hq0, b, BLOCK_M, STAGES, STATS_TMA)
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
         dq_rows = m0 + dq_rows_base
         dq_offs = (b.to(gl.int64) * stride_dqb + h * stride_dqh + dq_rows[:, None] * stride_dqm
                    + dq_cols[None, :])
-        gl.atomic_add(dq_ptr + dq_offs, dq, mask=(dq_rows < seqlen_q)[:, None], sem="relaxed")
+        if DQ_V2:
+            _red_add_v2(dq_ptr + dq_offs, dq, (dq_rows < seqlen_q).to(gl.int32)[:, None])
+        else:
+            gl.atomic_add(dq_ptr + dq_offs, dq, mask=(dq_rows < seqlen_q)[:, None], sem="relaxed")
 
     kv_rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     kv_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -170,26 +228,47 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
     grid = (triton.cdiv(seqlen_k, block_n) * batch * nheads_k,)
+    # LSE/delta by TMA needs 16-byte aligned bases and row strides (Sq % 4 == 0 when contiguous).
+    stats_tma = tma_aligned(lse, delta)
+    # dQ pairs 8-byte aligned: the kernel assumes column stride 1; the other strides even.
+    dq_v2 = dq_acc.data_ptr() % 8 == 0 and all(s % 2 == 0 for s in dq_acc.stride()[:3])
     bwd_dkdv_kernel[grid](
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m),
-        lse, delta, dq_acc, dk, dv, *lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3],
+        _stats_descriptor(lse, block_m) if stats_tma else lse,
+        _stats_descriptor(delta, block_m) if stats_tma else delta,
+        dq_acc, dk, dv, *lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3],
         *dv.stride()[:3],
         seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale,
         CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-        num_warps=NUM_WARPS.value,
+        STATS_TMA=stats_tma, DQ_V2=dq_v2, num_warps=NUM_WARPS.value,
     )
 
 
+def _stats_layout():
+    """Shared layout of an LSE/delta TMA block [1, 1, BLOCK_M] (fp32, unswizzled)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+
+
+def _stats_descriptor(t, block_m: int):
+    """TMA descriptor of a (B, Hq, Sq) fp32 LSE/delta: one (b, h) row of block_m queries."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_m], _stats_layout())
+
+
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
-                 causal: bool) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, options) of `bwd_dkdv_kernel` as `launch_dkdv` calls it."""
+                 causal: bool, stats_tma: bool = True, dq_v2: bool = True) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, options) of `bwd_dkdv_kernel` as `launch_dkdv` calls it (with
+    TMA-aligned LSE/delta and an 8-byte aligned dq_acc unless told otherwise)."""
     def desc(rows):
         return descriptor_type(dtype, rows, head_dim)
 
+    stats = f"tensordesc<fp32[1,1,{block_m}],{_stats_layout()!r}>" if stats_tma else "*fp32"
     types = {"q_desc": desc(block_m), "k_desc": desc(block_n), "v_desc": desc(block_n),
-             "do_desc": desc(block_m), "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32",
+             "do_desc": desc(block_m), "lse": stats, "delta": stats, "dq_ptr": "*fp32",
              "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}", "qk_scale": "fp32", "scale": "fp32"}
-    constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages)
+    constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
+                      STATS_TMA=stats_tma, DQ_V2=dq_v2)
     # In the kernel's argument order; the other arguments are strides and sizes (i32).
     signature = {name: types.get(name, "i32") for name in bwd_dkdv_kernel.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
