@@ -43,6 +43,14 @@ TINY_SCALE = gl.constexpr(1e-30)
 # Registers per thread: 3 warpgroups start at MAXNREG (168 * 384 threads fit 64K); the
 # producer gives its share to the consumers (setmaxnreg), as FlashAttention-3 does.
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
+# With three consumer warpgroups (192-row tiles) 16 warps start at 128 and the consumers take
+# 160 (384 * 160 + 128 * 24 fit 64K).
+REGS_192 = (128, 160, 24)
+
+
+def registers(block_m: int) -> tuple[int, int, int]:
+    """(maxnreg at launch, consumer and producer registers after setmaxnreg) for a row tile."""
+    return REGS_192 if block_m == 192 else (MAXNREG, CONSUMER_REGS, PRODUCER_REGS)
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
 # fp8: P is rounded to e4m3 as P * 2**8 (fmha.fp8.P_SCALE; 256 < e4m3's 448), cancelled by l.
 P_LOG2_SCALE = gl.constexpr(8)
@@ -127,6 +135,7 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
+    NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
     b, h, hk, row0, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
     if FP8:  # q and k descales fold into the logit scale (descales are > 0)
         (qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh,
@@ -148,7 +157,7 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
         mbarrier.wait(turn.index(WG), 0)
     s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
+        mbarrier.arrive(turn.index((WG + 1) % NUM_WG), count=1)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(0), count=1)
     p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale, row_lo,
@@ -166,7 +175,7 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_op, _v_operand(v_smem, prev, FP8), acc, is_async=True)
         if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
+            mbarrier.arrive(turn.index((WG + 1) % NUM_WG), count=1)
         # S(j) completes first (groups retire in order); its softmax overlaps P(j-1) V(j-1).
         s = warpgroup_mma_wait(1, deps=(s,))
         mbarrier.arrive(k_empty.index(stage), count=1)
@@ -219,6 +228,13 @@ def _consumer1(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.co
 
 
 @gluon.jit
+def _consumer2(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
+               FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    _consumer(args, 2, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+
+
+@gluon.jit
 def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
               FP8: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
@@ -226,11 +242,10 @@ def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.con
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
      seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales) = args
     b, h, hk, row0, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, h, row0, 0], q_bar,
-                                    q_smem.index(0).reshape([1, 1, WG_ROWS, HEAD_DIM]))
-    tma.async_copy_global_to_shared(q_desc, [b, h, row0 + WG_ROWS, 0], q_bar,
-                                    q_smem.index(1).reshape([1, 1, WG_ROWS, HEAD_DIM]))
+    mbarrier.expect(q_bar, (BLOCK_M // WG_ROWS) * q_desc.block_type.nbytes)
+    for wg in gl.static_range(BLOCK_M // WG_ROWS):
+        tma.async_copy_global_to_shared(q_desc, [b, h, row0 + wg * WG_ROWS, 0], q_bar,
+                                        q_smem.index(wg).reshape([1, 1, WG_ROWS, HEAD_DIM]))
     for j in range(n_tiles):
         stage = j % STAGES
         # A fresh mbarrier counts as having completed the phase before phase 0.
@@ -258,11 +273,13 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
                   FP8: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows each")
+    NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
+    gl.static_assert(BLOCK_M == NUM_WG * WG_ROWS and NUM_WG >= 2 and NUM_WG <= 3,
+                     "two or three consumer warpgroups of 64 rows each")
     dtype: gl.constexpr = q_desc.dtype
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], tile_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, WG_ROWS, HEAD_DIM], tile_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     if FP8:  # fp8 wgmma reads B K-major: V^T tiles
         vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], dtype)
@@ -274,27 +291,36 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a stage
-        mbarrier.init(v_empty.index(i), count=2)
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
-    mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
+        mbarrier.init(k_empty.index(i), count=NUM_WG)  # every consumer warpgroup releases a stage
+        mbarrier.init(v_empty.index(i), count=NUM_WG)
+    for wg in gl.static_range(NUM_WG):
+        mbarrier.init(turn.index(wg), count=1)
+    mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first (then round robin)
 
     args = (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb,
             stride_lh, stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
             seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale,
             (qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh, vd_ptr, stride_vdb,
              stride_vdh))
-    gl.warp_specialize([
-        (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # (The constexpr arguments are spelled out per partition: a tuple variable would not keep them constexpr.)
+    if NUM_WG == 3:  # FA3's 192-row tile for small head dims: a third warpgroup hides more softmax
+        gl.warp_specialize([
+            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer2, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def _transposed(v):
@@ -309,9 +335,7 @@ def _transposed(v):
 
 def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: float,
            block_m: int, block_n: int, num_stages: int, pingpong: bool = True,
-           descales: tuple | None = None,
-           consumer_regs: int = CONSUMER_REGS, producer_regs: int = PRODUCER_REGS,
-           maxnreg: int = MAXNREG) -> None:
+           descales: tuple | None = None) -> None:
     """q/k/v: (B, H, S, D) views with 16-byte aligned strides; o: (B, Hq, Sq, D) view of any
     float dtype and strides (a TMA store when it is q's dtype and aligned); lse: (B, Hq, Sq) fp32.
 
@@ -322,6 +346,7 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
     grid = (triton.cdiv(seqlen_q, block_m) * batch * nheads_q,)
+    maxnreg, consumer_regs, producer_regs = registers(block_m)
     q_desc = descriptor(q, WG_ROWS.value)
     o_tma = o.dtype == q.dtype and tma_aligned(o)
     fp8 = q.dtype == torch.float8_e4m3fn
@@ -361,9 +386,10 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
     types = {"q_desc": desc(WG_ROWS.value), "k_desc": desc(block_n),
              "v_desc": desc(head_dim, block_n) if fp8 else desc(block_n),
              "o_desc": desc(WG_ROWS.value), "o_ptr": f"*{out}", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    maxnreg, consumer_regs, producer_regs = registers(block_m)
     constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=not fp8, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
-                      BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS,
-                      PRODUCER_REGS=PRODUCER_REGS)
+                      BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
+                      PRODUCER_REGS=producer_regs)
     if fp8:
         types.update(qd_ptr="*fp32", kd_ptr="*fp32", vd_ptr="*fp32")
     else:
@@ -371,4 +397,4 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
     # In the kernel's argument order; the other arguments are strides and sizes (i32).
     signature = {name: types.get(name, "i32") for name in fwd_ws_kernel.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return signature, constexprs, {"num_warps": 4, "maxnreg": MAXNREG}
+    return signature, constexprs, {"num_warps": 4, "maxnreg": maxnreg}
