@@ -185,3 +185,14 @@ def test_exact_delta_pass_only_when_bias_or_sinks_need_grad(rng):
     dq_exact, dsinks, dbias = torch.autograd.grad(o, (qq, s2, b2), do)
     assert dsinks.shape == sinks.shape and dbias.shape == bias.shape
     assert (dq_plain.float() - dq_exact.float()).abs().max() < 2e-3  # same dq up to fp16 rounding
+
+
+def test_dropout_with_one_key_takes_the_exact_delta(rng):
+    """With a single key dS is exactly 0; delta from the rounded O would leave ~2^-11 |dO.O|
+    in dQ/dK (found by `fmha stress` on the GPU, fp16 D=32 and D=256). The dispatcher plans
+    the exact delta for it."""
+    q, k, v = make_qkv(rng, batch=4, nhead_q=2, nhead_k=1, seqlen_q=17, seqlen_k=1, head_dim=32,
+                       dtype=torch.float16)
+    plan = fmha.get_dispatcher().plan_backward(fmha.problem_of(q, k, v, dropout_p=0.3))
+    assert plan.launches[0].family == fmha.Family.BWD_DQ and "dropout with one key" in plan.launches[0].why
+    check_backward(q, k, v, dropout_p=0.3, seed=169130250)

@@ -121,3 +121,20 @@ def test_gluon_fp8_kernel_compiles_for_sm90(tmp_path, monkeypatch):
                                record_path=tmp_path / "record.json")
     assert [r.status for r in results] == ["built"], results[0].message
     assert all(0 < k.shared <= 232448 for k in results[0].kernels)
+
+
+@pytest.mark.parametrize("family,change,message", [
+    (Family.FWD, dict(block_m=16), "block_m 128 or 192"),
+    (Family.FWD, dict(num_warps=8), "num_warps 4"),
+    (Family.BWD_DQ_DK_DV, dict(block_n=64), "128 keys x 64 queries"),
+])
+def test_gluon_configs_outside_the_kernels_shapes_are_refused(family, change, message):
+    """An edited Gluon config (e.g. from an exported registry) is refused when loaded, not
+    at compile time (the kernel's static_assert)."""
+    import dataclasses
+
+    from fmha.configs import ConfigError, KernelConfig
+
+    config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon and c.family == family)
+    with pytest.raises(ConfigError, match=message):
+        KernelConfig(config.signature, dataclasses.replace(config.algorithm, **change))

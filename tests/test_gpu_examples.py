@@ -33,7 +33,12 @@ def _run(script: Path) -> tuple[str, int, float, str]:
         code, text = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         code, text = -1, f"timed out after {e.timeout} s\n{e.stdout or ''}{e.stderr or ''}"
-    return script.stem, code, time.perf_counter() - start, text
+    seconds = time.perf_counter() - start
+    out = os.environ.get("FMHA_EXAMPLES_OUT")
+    if out:  # as each example ends, so that a run cut short still leaves its results
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"{script.stem}.log").write_text(f"exit {code} in {seconds:.0f} s\n{text}")
+    return script.stem, code, seconds, text
 
 
 def test_every_example_passes_on_the_gpu():
@@ -44,9 +49,6 @@ def test_every_example_passes_on_the_gpu():
         results = list(pool.map(_run, SCRIPTS))
     out = os.environ.get("FMHA_EXAMPLES_OUT")
     if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        for name, _, _, text in results:
-            (Path(out) / f"{name}.log").write_text(text)
         (Path(out) / "summary.json").write_text(json.dumps(
             {name: {"exit_code": code, "seconds": round(sec, 1)} for name, code, sec, _ in results}, indent=2))
     for name, code, sec, _ in results:

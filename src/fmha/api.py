@@ -352,8 +352,8 @@ def _bwd_op(
     prep = _prepare(q, k, v, **args)
     problem = prep.problem
     want_dsinks = want_dsinks and sinks is not None
-    exact_delta = want_dbias or want_dsinks
-    plan = _plan_backward(problem, exact_delta)
+    plan = _plan_backward(problem, want_dbias or want_dsinks)
+    exact_delta = plan.launches[0].family == Family.BWD_DQ  # (the dispatcher may add cases)
     kernels = family_module("bwd", interpreted=q.device.type == "cpu")
     varlen = problem.varlen
     dq, dq_view, delta = _alloc_like(q, q.shape[-1], varlen, layout)

@@ -203,12 +203,37 @@ def _rule_violations(config: KernelConfig) -> list[str]:
         rules.append(f"algorithm.dot_precision={a.dot_precision!r} must be 'ieee' or 'tf32'")
     if a.dot_precision == "tf32" and DType.FP32 not in s.dtypes:
         rules.append("algorithm.dot_precision='tf32' applies to fp32 inputs only; the dtypes have no fp32")
+    rules += _gluon_rule_violations(s, a)
     # KV-cache configs with VARLEN serve batch prefill (packed queries against the cache).
     served = KVCACHE_FEATURES | {Feature.VARLEN} if s.family in KVCACHE_FAMILIES else DENSE_FEATURES
     extra = s.features - served
     if extra:
         rules.append(f"family {s.family.value} cannot serve features {sorted(f.value for f in extra)} "
                      f"(it serves {sorted(f.value for f in served)})")
+    return rules
+
+
+def _gluon_rule_violations(s: Signature, a: Algorithm) -> list[str]:
+    """The Hopper Gluon kernels' fixed shapes (kernels/fwd_gluon.py, bwd_gluon.py): an edited
+    config outside them is refused here instead of failing in the compiler."""
+    if not a.pipeline.is_gluon:
+        return []
+    rules = []
+    if s.archs != ("sm90",):
+        rules.append(f"pipeline {a.pipeline.value} runs on sm90 only, got archs {list(s.archs)}")
+    if s.family == Family.FWD:
+        if a.block_m not in (128, 192) or a.num_warps != 4:
+            rules.append(f"pipeline {a.pipeline.value}: the forward's query tile is two or three consumer "
+                         f"warpgroups (block_m 128 or 192, num_warps 4), got block_m={a.block_m} "
+                         f"num_warps={a.num_warps}")
+        if a.block_n < 32:
+            rules.append(f"pipeline {a.pipeline.value}: block_n={a.block_n} must be >= 32")
+    elif s.family == Family.BWD_DQ_DK_DV:
+        if (a.block_m, a.block_n, a.num_warps) != (64, 128, 8) or a.pipeline != Pipeline.GLUON:
+            rules.append(f"pipeline {a.pipeline.value}: the Gluon dK/dV kernel runs 128 keys x 64 queries "
+                         f"on 8 warps (block_m 64, block_n 128, num_warps 8, pipeline gluon)")
+    else:
+        rules.append(f"pipeline {a.pipeline.value}: no Gluon kernel for family {s.family.value}")
     return rules
 
 
