@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
+from torch.utils import _python_dispatch
 
 from . import fp8 as F8
 from . import validation as V
@@ -415,6 +416,23 @@ def _(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_slopes, si
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias, dsinks
 
 
+def _direct(op, tensors, *, grad_free: bool = True):
+    """`op` itself when torch's dispatcher has nothing to do for this call, else its Python
+    body: the custom-op dispatch costs about 70-90 us per call (tools/host_overhead.py),
+    which is most of the host path of a small problem. The body is used only in plain eager
+    mode: not while torch.compile traces, no dispatch mode (fake tensors, flop counters) or
+    torch-function mode active, plain tensors on the CPU or a GPU, and (grad_free) nothing
+    that autograd would have to record. Otherwise the registered op runs, as always."""
+    if (torch.compiler.is_compiling() or _python_dispatch._get_current_dispatch_mode() is not None
+            or torch._C._is_torch_function_mode_enabled()):
+        return op
+    grad = grad_free and torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not Tensor or (grad and t.requires_grad)):
+            return op
+    return op._init_fn
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k = inputs[:9]
     ctx.save_for_backward(q, k, v, *output, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k)
@@ -425,7 +443,8 @@ def _backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k = ctx.saved_tensors
     want_dbias = bias is not None and ctx.needs_input_grad[3]
     want_dsinks = sinks is not None and ctx.needs_input_grad[5]
-    dq, dk, dv, dbias, dsinks = _bwd_op(
+    tensors = (grad_o, grad_lse, q, k, v, o, lse, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k)
+    dq, dk, dv, dbias, dsinks = _direct(_bwd_op, tensors, grad_free=False)(  # (no double backward)
         grad_o.contiguous() if grad_o.stride(-1) != 1 else grad_o, grad_lse, o, lse, want_dbias,
         want_dsinks, q, k, v, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k, *ctx.scalars)
     return (dq, dk, dv, dbias if want_dbias else None, None,
@@ -642,12 +661,12 @@ def _call(q, k, v, *, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seq
     scalars = (max_seqlen_q, max_seqlen_k, layout, None if scale is None else float(scale), causal,
                window_left, window_right, mask_align, sink_size, float(softcap), float(dropout_p), seed,
                offset, deterministic)
+    tensors = (q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k)
     if out_dtype is not None:  # float8 inputs
-        o, lse = _fwd_fp8_op(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                             q_descale, k_descale, v_descale, descale_block_size, out_dtype, *scalars)
+        o, lse = _direct(_fwd_fp8_op, tensors + (q_descale, k_descale, v_descale))(
+            *tensors, q_descale, k_descale, v_descale, descale_block_size, out_dtype, *scalars)
     else:
-        o, lse = _fwd_op(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                         *scalars)
+        o, lse = _direct(_fwd_op, tensors)(*tensors, *scalars)
     results = [o]
     if return_lse:
         results.append(lse)
