@@ -20,7 +20,7 @@ header("Example 18: varlen and padding")
 gen = torch.Generator().manual_seed(18)
 Hq, Hk, D = sizes((4, 2, 32), (16, 4, 128))
 lens_q = sizes([5, 0, 17, 33], [1, 700, 2048, 0, 1500])
-lens_k = sizes([9, 4, 17, 20], [1, 900, 2048, 30, 1500])
+lens_k = sizes([2, 4, 17, 20], [1, 900, 2048, 30, 1500])  # seqused_k below: 0 keys for the first
 
 
 def cu(lens):

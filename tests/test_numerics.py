@@ -79,3 +79,16 @@ def test_torch_truth_gradients_of_rows_that_see_nothing_are_zero_not_nan(rng):
     grads = torch.autograd.grad((o, lse), (q, k, v), (torch.randn_like(o), torch.randn_like(lse)))
     assert all(torch.isfinite(g).all() for g in grads)
     assert (grads[0][:, :, :3] == 0).all()
+
+
+def test_torch_attention_without_keys_gives_zero_rows_and_minus_inf_lse():
+    """The baseline of a sequence with no (used) keys, e.g. seqused_k = 0 in varlen (example 18
+    on the GPU crashed here): o = 0, lse = -inf; with sink logits lse = the sink."""
+    q = torch.randn(1, 2, 3, 8)
+    empty = torch.randn(1, 1, 0, 8)
+    o, lse = numerics.torch_attention(q, empty, empty)
+    assert o.shape == (1, 2, 3, 8) and torch.equal(o, torch.zeros_like(o))
+    assert torch.equal(lse, torch.full((1, 2, 3), float("-inf")))
+    sinks = torch.tensor([0.5, -1.0])
+    _, lse = numerics.torch_attention(q, empty, empty, sinks=sinks)
+    assert torch.allclose(lse, sinks[None, :, None].expand(1, 2, 3))

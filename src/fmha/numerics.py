@@ -56,7 +56,8 @@ def torch_attention(q, k, v, *, compute_dtype=None, scale=None, causal=False, wi
                                                  mask_align=mask_align, sink_size=sink_size),
                           device=q.device)
     s = s.masked_fill(~vis, float("-inf"))
-    m = s.amax(-1, keepdim=True)
+    # (no keys: amax of an empty row is an error, -inf is what the rest expects)
+    m = s.amax(-1, keepdim=True) if seqlen_k else s.new_full((*s.shape[:-1], 1), float("-inf"))
     if sinks is not None:
         sink = sinks.to(acc).reshape(1, nhead_q, 1, 1)
         m = torch.maximum(m, sink)
