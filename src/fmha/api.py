@@ -346,6 +346,10 @@ def _bwd_op(
 
     With dbias or dsinks wanted, stage 1 computes delta exactly (`launch_delta`, one more
     QK^T and dO V^T pass) instead of from the rounded O (`launch_dot_do_o`)."""
+    if dlse is not None and (dlse.stride() != lse.stride() or dlse.dtype != lse.dtype):
+        # The kernels read dlse with lse's strides; the gradient of e.g. lse.sum() is an
+        # expanded (stride 0) view, which they would read past its one element.
+        dlse = torch.empty_like(lse).copy_(dlse)
     args = dict(zip(_OP_ARGS, (bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
                                window_right, mask_align, sink_size, softcap, dropout_p, seed,
@@ -353,8 +357,8 @@ def _bwd_op(
     prep = _prepare(q, k, v, **args)
     problem = prep.problem
     want_dsinks = want_dsinks and sinks is not None
-    plan = _plan_backward(problem, want_dbias or want_dsinks)
-    exact_delta = plan.launches[0].family == Family.BWD_DQ  # (the dispatcher may add cases)
+    exact_delta = want_dbias or want_dsinks
+    plan = _plan_backward(problem, exact_delta)
     kernels = family_module("bwd", interpreted=q.device.type == "cpu")
     varlen = problem.varlen
     dq, dq_view, delta = _alloc_like(q, q.shape[-1], varlen, layout)
@@ -390,6 +394,15 @@ def _bwd_op(
                          _kernel_view(dq_acc, prep), dbias_full, shared)
             kernels.launch_convert_dq(dq_acc, dq, scale=prep.scale,
                                       **_algo(plan.config(Family.BWD_CONVERT_DQ)))
+    if problem.seqlen_k == 1 and sinks is None and dlse is None:
+        # Softmax over a single key: dS = P (dP - delta) is exactly 0 (delta = P dP), so dq, dk
+        # and dbias are 0. The kernels form dP and delta in two different summation orders
+        # (and delta from the rounded O), which left noise where the answer is exactly 0
+        # (fp32 2.4e-5 against a 2e-5 bound; fp16 with dropout 2.3e-3 against 2e-4).
+        dq.zero_()
+        dk.zero_()
+        if dbias_full is not None:
+            dbias_full.zero_()
     dbias = q.new_empty(0)
     if want_dbias:
         dbias = _reduce_to(dbias_full, bias).to(bias.dtype)
@@ -434,6 +447,7 @@ def _direct(op, tensors, *, grad_free: bool = True):
 
 
 def _setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # an unused lse (or o) gives None, not a zeros tensor
     q, k, v, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k = inputs[:9]
     ctx.save_for_backward(q, k, v, *output, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k)
     ctx.scalars = inputs[9:]
@@ -441,6 +455,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k = ctx.saved_tensors
+    if grad_o is None:  # only lse was used
+        grad_o = torch.zeros_like(o)
     want_dbias = bias is not None and ctx.needs_input_grad[3]
     want_dsinks = sinks is not None and ctx.needs_input_grad[5]
     tensors = (grad_o, grad_lse, q, k, v, o, lse, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k)

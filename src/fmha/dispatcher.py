@@ -158,18 +158,13 @@ class Dispatcher:
         """Three stages; dQ by atomics + convert, or by its own pass when deterministic.
 
         exact_delta (dbias or dsinks wanted): stage 1 is the dQ kernel in its delta mode
-        (rowsum(P * dP) from recomputed tiles) instead of bwd_dot_do_o (rowsum(dO * O)).
-        Also taken for dropout with one key (seqlen_k == 1): there dS = P (dP - delta) is
-        exactly 0, and delta from O rounded to fp16/bf16 would leave its rounding in dQ/dK
-        (the extra pass costs one launch at that size)."""
-        single_key_dropout = problem.dropout_p > 0 and problem.seqlen_k == 1
-        first = Family.BWD_DQ if exact_delta or single_key_dropout else Family.BWD_DOT_DO_O
+        (rowsum(P * dP) from recomputed tiles) instead of bwd_dot_do_o (rowsum(dO * O))."""
+        first = Family.BWD_DQ if exact_delta else Family.BWD_DOT_DO_O
         last = Family.BWD_DQ if problem.deterministic else Family.BWD_CONVERT_DQ
         plan = self._plan(problem, [first, Family.BWD_DQ_DK_DV, last])
-        if first == Family.BWD_DQ:
+        if exact_delta:
             delta = plan.launches[0]
-            reason = "dbias/dsinks" if exact_delta else "dropout with one key"
-            why = f"delta = rowsum(P * dP) for {reason}; {delta.why}"
+            why = f"delta = rowsum(P * dP) for dbias/dsinks; {delta.why}"
             plan = Plan(problem, (Launch(delta.family, delta.config, why),) + plan.launches[1:])
         return plan
 
