@@ -32,17 +32,24 @@ SHAPES = [  # (batch, nhead_q, nhead_k, seqlen_q, seqlen_k)
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_gluon_forward(rng, dtype, head_dim, mask, shape):
+def _masked_problem(rng, dtype, head_dim, mask, shape):
+    """q, k, v (bhsd, CUDA) of shape (batch, hq, hk, sq, sk) and the attention kwargs of `mask`
+    ("none", "causal", "causal_top_left")."""
     batch, hq, hk, sq, sk = shape
     q, k, v = make_qkv(rng, dtype=dtype, layout="bhsd", device=CUDA, batch=batch, nhead_q=hq,
                        nhead_k=hk, seqlen_q=sq, seqlen_k=sk, head_dim=head_dim)
     kw = {} if mask == "none" else {"causal": True}
     if mask == "causal_top_left":
         kw["mask_align"] = "top_left"
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gluon_forward(rng, dtype, head_dim, mask, shape):
+    q, k, v, kw = _masked_problem(rng, dtype, head_dim, mask, shape)
     assert _uses_gluon(q, k, v, **kw), fmha.explain(q, k, v, **kw)
     check_attention(q, k, v, truth="torch64", **kw)
 
@@ -97,12 +104,7 @@ def _bwd_uses_gluon(q, k, v, **kw) -> bool:
 def test_gluon_backward(rng, dtype, head_dim, mask, shape):
     from attn_testing import check_backward
 
-    batch, hq, hk, sq, sk = shape
-    q, k, v = make_qkv(rng, dtype=dtype, layout="bhsd", device=CUDA, batch=batch, nhead_q=hq,
-                       nhead_k=hk, seqlen_q=sq, seqlen_k=sk, head_dim=head_dim)
-    kw = {} if mask == "none" else {"causal": True}
-    if mask == "causal_top_left":
-        kw["mask_align"] = "top_left"
+    q, k, v, kw = _masked_problem(rng, dtype, head_dim, mask, shape)
     assert _bwd_uses_gluon(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), **kw)
     check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
 

@@ -304,6 +304,11 @@ def _launch_dkdv(prep: _Prepared, config: KernelConfig, do_view: Tensor, lse: Te
 # The kernel work as custom ops (opaque to torch.compile, with fake implementations).
 
 
+def _prepare_op(q: Tensor, k: Tensor, v: Tensor, values: tuple) -> _Prepared:
+    """`_prepare` for an op's flattened arguments, given in `_OP_ARGS` order."""
+    return _prepare(q, k, v, **dict(zip(_OP_ARGS, values, strict=True)))
+
+
 @torch.library.custom_op("fmha::fwd", mutates_args=())
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None,
@@ -313,11 +318,10 @@ def _fwd_op(
     sink_size: int, softcap: float, dropout_p: float, seed: int, offset: int, deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     """Returns (o in q's layout and dtype, lse (B, Hq, Sq) or (Hq, total_q))."""
-    args = dict(zip(_OP_ARGS, (bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                               max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
-                               window_right, mask_align, sink_size, softcap, dropout_p, seed,
-                               offset, deterministic), strict=True))
-    prep = _prepare(q, k, v, **args)
+    prep = _prepare_op(q, k, v, (bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                 max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
+                                 window_right, mask_align, sink_size, softcap, dropout_p, seed,
+                                 offset, deterministic))
     plan = _plan_forward(prep.problem, False)
     o, o_view, lse = _alloc_like(q, v.shape[-1], prep.problem.varlen, layout)
     if o.numel() or lse.numel():
@@ -350,11 +354,10 @@ def _bwd_op(
         # The kernels read dlse with lse's strides; the gradient of e.g. lse.sum() is an
         # expanded (stride 0) view, which they would read past its one element.
         dlse = torch.empty_like(lse).copy_(dlse)
-    args = dict(zip(_OP_ARGS, (bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                               max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
-                               window_right, mask_align, sink_size, softcap, dropout_p, seed,
-                               offset, deterministic), strict=True))
-    prep = _prepare(q, k, v, **args)
+    prep = _prepare_op(q, k, v, (bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                 max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
+                                 window_right, mask_align, sink_size, softcap, dropout_p, seed,
+                                 offset, deterministic))
     problem = prep.problem
     want_dsinks = want_dsinks and sinks is not None
     exact_delta = want_dbias or want_dsinks
@@ -481,11 +484,10 @@ def _fwd_fp8_op(
     sink_size: int, softcap: float, dropout_p: float, seed: int, offset: int, deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     """Forward of float8 q/k/v with descales (fmha.fp8): (o in out_dtype, lse fp32). No autograd."""
-    args = dict(zip(_OP_ARGS, (bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                               max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
-                               window_right, mask_align, sink_size, softcap, dropout_p, seed,
-                               offset, deterministic), strict=True))
-    prep = _prepare(q, k, v, **args)
+    prep = _prepare_op(q, k, v, (bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                 max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
+                                 window_right, mask_align, sink_size, softcap, dropout_p, seed,
+                                 offset, deterministic))
     p = prep.problem
     views = F8.check_descales(q, dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale),
                               batch=p.batch, nhead_q=p.nhead_q, nhead_k=p.nhead_k, seqlen_q=p.seqlen_q,

@@ -504,12 +504,7 @@ def _check_kvcache_values(cache_seqlens, n_new, capacity, block_table, n_rows, c
 def _check_indptr_values(kv_indptr, kv_indices, kv_last_page_len, n_new, page_size: int, n_pages: int):
     """Host-side checks of FlashInfer/SGLang page tables (CPU tensors; CUDA in debug mode)."""
     indptr = kv_indptr.tolist()
-    if indptr[0] != 0:
-        raise ValueError(f"kv_indptr[0]={indptr[0]} must be 0")
-    for b in range(len(indptr) - 1):
-        if indptr[b + 1] < indptr[b]:
-            raise ValueError(f"kv_indptr must be non-decreasing; kv_indptr[{b + 1}]={indptr[b + 1]} "
-                             f"< kv_indptr[{b}]={indptr[b]}")
+    V.check_offsets("kv_indptr", indptr)
     if indptr[-1] > kv_indices.numel():
         raise ValueError(f"kv_indptr[-1]={indptr[-1]} exceeds the {kv_indices.numel()} entries of kv_indices")
     used = kv_indices[:indptr[-1]]

@@ -761,24 +761,17 @@ def _plan(registry: Registry, arch: str, target: Any, limit: int, families: set[
                                   f"{dtype.value} in precompile.TRITON_TYPES")
                 out.append(result)
                 continue
-            if config.algorithm.pipeline.is_gluon:
-                try:
-                    variants = gluon_jobs(config, dtype)
-                    key = record_key(config, dtype, target, [job for _, job in variants])
-                except Exception as e:
-                    result.message = f"{config.name} [{dtype.value}]: {first_lines(f'{type(e).__name__}: {e}')}"
-                    out.append(result)
-                    continue
-                out.append(_Entry(config, dtype, variants, key, result))
-                continue
             spec = FAMILY_KERNELS.get(config.family)
-            if spec is None:
+            if spec is None and not config.algorithm.pipeline.is_gluon:
                 result.message = f"{config.name} [{dtype.value}]: no kernel is mapped to family " \
                                  f"{config.family.value} in FAMILY_KERNELS"
                 out.append(result)
                 continue
             try:
-                variants = [(variant, make_job(spec, config, dtype, variant)) for variant in spec.variants]
+                if config.algorithm.pipeline.is_gluon:
+                    variants = gluon_jobs(config, dtype)
+                else:
+                    variants = [(variant, make_job(spec, config, dtype, variant)) for variant in spec.variants]
                 key = record_key(config, dtype, target, [job for _, job in variants])
             except Exception as e:
                 result.message = f"{config.name} [{dtype.value}]: {first_lines(f'{type(e).__name__}: {e}')}"

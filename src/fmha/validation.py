@@ -197,6 +197,16 @@ def check_seed(seed, offset) -> None:
         raise ValueError(f"offset={offset!r} must be an int in [0, 2**32)")
 
 
+def check_offsets(name: str, values: list[int]) -> None:
+    """A prefix-sum table read on the host (cu_seqlens, kv_indptr): starts at 0, never decreases."""
+    if values[0] != 0:
+        raise ValueError(f"{name}[0]={values[0]} must be 0")
+    for i in range(len(values) - 1):
+        if values[i + 1] < values[i]:
+            raise ValueError(f"{name} must be non-decreasing; {name}[{i + 1}]={values[i + 1]} "
+                             f"< {name}[{i}]={values[i]}")
+
+
 def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device) -> None:
     check_tensor(name, cu, 1)
     if cu.dtype != torch.int32:
@@ -207,12 +217,7 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device) -> None:
         raise ValueError(f"{name} must have batch + 1 >= 1 entries, got {cu.numel()}")
     if cu.device.type == "cpu" or _debug:
         values = cu.tolist()
-        if values[0] != 0:
-            raise ValueError(f"{name}[0]={values[0]} must be 0")
-        for i in range(len(values) - 1):
-            if values[i + 1] < values[i]:
-                raise ValueError(f"{name} must be non-decreasing; {name}[{i + 1}]={values[i + 1]} "
-                                 f"< {name}[{i}]={values[i]}")
+        check_offsets(name, values)
         if values[-1] != total:
             raise ValueError(f"{name}[-1]={values[-1]} must equal the packed length {total}")
 

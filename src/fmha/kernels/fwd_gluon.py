@@ -352,8 +352,11 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     fp8 = q.dtype == torch.float8_e4m3fn
     if fp8:
         v_desc = descriptor(_transposed(v), head_dim, block_n)
-        one = torch.ones((1, 1, 1), dtype=torch.float32, device=q.device)
-        qd, kd, vd = (one if d is None else d for d in (descales or (None, None, None)))
+        descales = descales or (None, None, None)
+        if None in descales:  # an absent descale is 1
+            one = torch.ones((1, 1, 1), dtype=torch.float32, device=q.device)
+            descales = tuple(one if d is None else d for d in descales)
+        qd, kd, vd = descales
         qd_group = nheads_q // qd.shape[1] if qd.shape[1] > 1 else 1
         fp8_args = (qd, qd.stride(0), qd.stride(1), qd_group, kd, kd.stride(0), kd.stride(1),
                     vd, vd.stride(0), vd.stride(1))
