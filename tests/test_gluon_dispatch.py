@@ -112,6 +112,24 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path, monkeypatch):
     assert all(0 < k.shared <= 232448 for k in results[0].kernels)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm90_half_precision_backward_gets_the_gluon_dkdv_kernel(head_dim):
+    problem = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, causal=True)
+    config = Dispatcher(default_registry()).plan_backward(problem).config(Family.BWD_DQ_DK_DV)
+    assert config.algorithm.pipeline == Pipeline.GLUON and config.signature.head_dims == (head_dim,)
+
+
+def test_gluon_d256_backward_compiles_for_sm90(tmp_path, monkeypatch):
+    """64 keys x 64 queries with dQ formed in two column halves: fits the shared memory."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon
+                  and c.family == Family.BWD_DQ_DK_DV and c.signature.head_dims == (256,))
+    results = precompile.build(Registry([config]), "sm90", dtypes=["bf16"], jobs=2, progress=False,
+                               record_path=tmp_path / "record.json")
+    assert [r.status for r in results] == ["built"], results[0].message
+    assert all(0 < k.shared <= 232448 for k in results[0].kernels)
+
+
 def test_gluon_fp8_kernel_compiles_for_sm90(tmp_path, monkeypatch):
     """The fp8 variant (QGMMA, V^T tiles, P in e4m3 from registers) compiles ahead of time."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
@@ -126,7 +144,7 @@ def test_gluon_fp8_kernel_compiles_for_sm90(tmp_path, monkeypatch):
 @pytest.mark.parametrize("family,change,message", [
     (Family.FWD, dict(block_m=16), "block_m 128 or 192"),
     (Family.FWD, dict(num_warps=8), "num_warps 4"),
-    (Family.BWD_DQ_DK_DV, dict(block_n=64), "128 keys x 64 queries"),
+    (Family.BWD_DQ_DK_DV, dict(block_n=32), "64 queries against 64 keys"),
 ])
 def test_gluon_configs_outside_the_kernels_shapes_are_refused(family, change, message):
     """An edited Gluon config (e.g. from an exported registry) is refused when loaded, not

@@ -221,3 +221,21 @@ def test_decode_step_captured_in_a_cuda_graph(rng):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, step())
+
+
+def test_launch_cache_separates_alignments_and_matches_the_jit(rng):
+    """A cached launch of a kernel with an argument of other alignment gets its own compiled
+    kernel (the JIT specializes on 16-byte alignment), and every launch computes what the
+    JIT's own call computes."""
+    from fmha.kernels import bwd, launch_cache
+
+    base = torch.randn(4 * 1000 * 64 + 1, device=CUDA)
+    for offset in (0, 1, 0, 1):  # aligned, 4 bytes off, then both again (cache hits)
+        acc = base[offset:offset + 4 * 1000 * 64].view(4, 1000, 64)
+        dq = torch.empty(4, 1000, 64, device=CUDA, dtype=torch.bfloat16)
+        before = len(launch_cache._CACHE)
+        bwd.launch_convert_dq(acc, dq, scale=0.5, block_m=64, num_warps=4)
+        assert torch.equal(dq, (acc * 0.5).to(torch.bfloat16))
+        if offset == 1 and before:  # the misaligned view never reuses the aligned kernel
+            keys = [k for k in launch_cache._CACHE if k[0] == id(bwd.convert_dq_kernel)]
+            assert len({k[2][0] for k in keys}) == 2, keys

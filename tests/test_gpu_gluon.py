@@ -97,7 +97,7 @@ def _bwd_uses_gluon(q, k, v, **kw) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
 @pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1533), (1, 4, 4, 1024, 1024), (2, 2, 1, 77, 700),
                                    (1, 2, 2, 700, 77)], ids=lambda s: "x".join(map(str, s)))

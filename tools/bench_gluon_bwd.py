@@ -4,7 +4,14 @@ Triton dK/dV (a registry without Gluon backward configs), SDPA cuDNN and SDPA fl
 Times the backward only (autograd.grad with the graph retained), B=4 H=16, S 4096/8192,
 D 64/128, bf16, causal and not, plus GQA 4x32/8 at 8192. Contenders alternate per round.
 
-    PYTHONPATH=src python tools/bench_gluon_bwd.py [--rounds N] [--quick]   ($OUT/bench_gluon_bwd.json)
+    PYTHONPATH=src python tools/bench_gluon_bwd.py [--rounds N] [--quick] [--hdims 64,128]
+                                                   [--no-ldg]   ($OUT/bench_gluon_bwd.json)
+
+--hdims: head dims of the B=4 H=16 rows (and of the GQA rows, for head dims >= 128);
+--no-ldg: leave out the fmha_ldg_stats contender.
+--shapes B:Hq:Hk:S:D:c,...: these rows instead (c causal, f full), e.g. 4:16:16:4096:256:c.
+--variants d64:m64n64w4s3,...: more contenders, `fmha_<variant>`: the Gluon dK/dV config of
+    that head dim with this tile (block_m, block_n, warps, stages), the rest of the registry as is.
 """
 
 import json
@@ -33,6 +40,22 @@ def _stats_tma(on: bool) -> None:
     bwd_gluon.tma_aligned = gluon_common.tma_aligned if on else (lambda *tensors: False)
 
 
+def _variant_dispatcher(spec: str) -> Dispatcher:
+    import dataclasses
+    import re
+
+    head_dim, tile = spec.split(":")
+    m, n, w, st = map(int, re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", tile).groups())
+    configs = []
+    for c in default_registry():
+        if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon and c.signature.head_dims == (
+                int(head_dim[1:]),):
+            c = type(c)(c.signature, dataclasses.replace(c.algorithm, block_m=m, block_n=n, num_warps=w,
+                                                         num_stages=st), notes=c.notes)
+        configs.append(c)
+    return Dispatcher(Registry(configs, name=f"variant-{spec}"))
+
+
 TRITON_BWD = Dispatcher(Registry([c for c in default_registry()
                                   if not (c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon)],
                                  name="no-gluon-bwd"))
@@ -43,9 +66,23 @@ def main() -> int:
     quick = "--quick" in sys.argv
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    shapes = [(4, 16, 16, s, d, c) for s in ((4096,) if quick else (4096, 8192)) for d in (64, 128)
+    hdims = [int(d) for d in sys.argv[sys.argv.index("--hdims") + 1].split(",")] if "--hdims" in sys.argv \
+        else [64, 128]
+    shapes = [(4, 16, 16, s, d, c) for s in ((4096,) if quick else (4096, 8192)) for d in hdims
               for c in (False, True)]
-    shapes += [(4, 32, 8, 8192, 128, c) for c in (False, True)]
+    shapes += [(4, 32, 8, 8192, d, c) for d in hdims if d >= 128 for c in (False, True)]
+    if "--shapes" in sys.argv:
+        shapes = [(*map(int, row.split(":")[:5]), row.split(":")[5] == "c")
+                  for row in sys.argv[sys.argv.index("--shapes") + 1].split(",")]
+    contenders = [n for n in ("fmha", "fmha_ldg_stats", "fmha_triton", "cudnn", "flash")
+                  if not (n == "fmha_ldg_stats" and "--no-ldg" in sys.argv)]
+    variants = {}
+    if "--variants" in sys.argv:
+        variants = {f"fmha_{v}": _variant_dispatcher(v) for v in sys.argv[sys.argv.index("--variants") + 1].split(",")}
+        contenders[1:1] = list(variants)
+
+    def dispatcher_of(name):
+        return TRITON_BWD if name == "fmha_triton" else variants.get(name)
     rows = []
     for b, hq, hk, s, d, causal in shapes:
         torch.manual_seed(0)
@@ -56,8 +93,8 @@ def main() -> int:
         flops = 2.5 * 4.0 * b * hq * s * s * d / (2 if causal else 1)
         extra = {"enable_gqa": True} if hq != hk else {}
         graphs, grads, times = {}, {}, {}
-        for name in ("fmha", "fmha_ldg_stats", "fmha_triton", "cudnn", "flash"):
-            fmha.set_dispatcher(TRITON_BWD if name == "fmha_triton" else None)
+        for name in contenders:
+            fmha.set_dispatcher(dispatcher_of(name))
             if name.startswith("fmha"):
                 o = fmha.attention(q, k, v, causal=causal)
             else:
@@ -74,19 +111,21 @@ def main() -> int:
                  for n, g in grads.items()}
         for _ in range(rounds):
             for name, o in graphs.items():
-                fmha.set_dispatcher(TRITON_BWD if name == "fmha_triton" else None)
+                fmha.set_dispatcher(dispatcher_of(name))
                 _stats_tma(STATS_VARIANTS.get(name, True))
                 times[name].append(triton.testing.do_bench(
                     lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), warmup=25, rep=100))
                 _stats_tma(True)
             fmha.set_dispatcher(None)
         tflops = {n: flops / (statistics.median(t) * 1e-3) / 1e12 for n, t in times.items()}
+        chosen = next((line for line in fmha.explain(q, k, v, causal=causal).splitlines()
+                       if "bwd_dq_dk_dv " in line), "(no backward plan shown)")
         row = {"shape": f"B={b} Hq={hq} Hk={hk} S={s} D={d} {'causal' if causal else 'full'}", "tflops": tflops,
-               "max_abs_diff_vs_cudnn": diffs}
+               "max_abs_diff_vs_cudnn": diffs, "fmha_dkdv": chosen.strip()}
         rows.append(row)
         line = " ".join(f"{n}={t:.0f}" for n, t in sorted(tflops.items(), key=lambda x: -x[1]))
         print(f"{row['shape']}: {line} | fmha/cudnn {tflops['fmha'] / tflops['cudnn']:.3f} "
-              f"| diffs {({n: round(x, 4) for n, x in diffs.items()})}", flush=True)
+              f"| diffs {({n: round(x, 4) for n, x in diffs.items()})} | {chosen.strip()}", flush=True)
         (out_dir / "bench_gluon_bwd.json").write_text(json.dumps(
             {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
              "rows": rows}, indent=1))

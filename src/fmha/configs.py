@@ -229,9 +229,11 @@ def _gluon_rule_violations(s: Signature, a: Algorithm) -> list[str]:
         if a.block_n < 32:
             rules.append(f"pipeline {a.pipeline.value}: block_n={a.block_n} must be >= 32")
     elif s.family == Family.BWD_DQ_DK_DV:
-        if (a.block_m, a.block_n, a.num_warps) != (64, 128, 8) or a.pipeline != Pipeline.GLUON:
-            rules.append(f"pipeline {a.pipeline.value}: the Gluon dK/dV kernel runs 128 keys x 64 queries "
-                         f"on 8 warps (block_m 64, block_n 128, num_warps 8, pipeline gluon)")
+        if (a.block_m != 64 or (a.block_n, a.num_warps) not in ((64, 4), (64, 8), (128, 8))
+                or a.pipeline != Pipeline.GLUON):
+            rules.append(f"pipeline {a.pipeline.value}: the Gluon dK/dV kernel runs 64 queries against 64 keys "
+                         f"on 4 or 8 warps or 128 keys on 8 (block_m 64, block_n/num_warps 64/4, 64/8 or 128/8, "
+                         f"pipeline gluon)")
     else:
         rules.append(f"pipeline {a.pipeline.value}: no Gluon kernel for family {s.family.value}")
     return rules

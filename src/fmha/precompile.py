@@ -369,7 +369,8 @@ def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob
                 *args, causal=variant == "causal", pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG)
         elif config.family == Family.BWD_DQ_DK_DV:
             module, kernel = bwd_gluon, "bwd_dkdv_kernel"
-            signature, constexprs, options = bwd_gluon.compile_spec(*args, causal=variant == "causal")
+            signature, constexprs, options = bwd_gluon.compile_spec(*args, causal=variant == "causal",
+                                                                    num_warps=a.num_warps)
         else:
             raise ValueError(f"no Gluon kernel for family {config.family.value}")
         jobs.append((variant, CompileJob(module.__name__, kernel, tuple(signature.items()),

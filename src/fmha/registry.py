@@ -144,8 +144,9 @@ def _gluon_config(family, head_dim, block_m, block_n, warps, stages, pipeline, n
     """A Hopper Gluon config: fp16/bf16 (or fp8 e4m3 for the forward, with descales per tensor
     or per (batch, head)), one head dim (Dqk == Dv), causal or no mask, TMA.
     Forward (kernels/fwd_gluon.py): 128-row tiles, 4 warps in the config (the producer warp
-    and the second consumer warpgroup are added). dK/dV (kernels/bwd_gluon.py): 128 keys x
-    64 queries, 8 warps, dQ by atomics (so not for deterministic problems)."""
+    and the second consumer warpgroup are added). dK/dV (kernels/bwd_gluon.py): 128 keys
+    (D 64/128) or 64 keys (D=256) x 64 queries, 8 warps, dQ by atomics (so not for
+    deterministic problems)."""
     return KernelConfig(
         Signature(family, dtypes, ("sm90",), head_dim, head_dim, features,
                   head_dims=(head_dim,), sliding_window=False, needs_tma=True, fp8_block_descale=False),
@@ -210,7 +211,9 @@ def default_registry() -> Registry:
     # dK/dV: block_n is the program's key tile, block_m the query tile it loops over.
     bwd_notes = "FA3-style backward: wgmma, TMA ring, dQ by atomics"
     configs += [_gluon_config(Family.BWD_DQ_DK_DV, 64, 64, 128, 8, 3, Pipeline.GLUON, bwd_notes),
-                _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 2, Pipeline.GLUON, bwd_notes)]
+                _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 2, Pipeline.GLUON, bwd_notes),
+                # D=256: 64 keys (dK and dV take 128 registers a thread), dQ in two halves.
+                _gluon_config(Family.BWD_DQ_DK_DV, 256, 64, 64, 8, 2, Pipeline.GLUON, bwd_notes)]
     configs += _family_configs(Family.BWD_DQ_DK_DV, [
         # H200, 2026-11-29: m32 n64 w4 s3 runs 256/223 TFLOP/s (m64 n128 w8 s2: 152/116), but
         # with block_m=32 dK is not bitwise reproducible run to run even without atomics

@@ -21,6 +21,7 @@ Masks, soft-cap, bias, ALiBi and dropout come from `common`, shared with the for
 import triton
 import triton.language as tl
 
+from . import launch_cache
 from .common import LOG2E, dropout_keep, key_range, modify_logits, seq_bounds, visible
 from .launch_args import alibi_strides, bias_strides, feature_flags, padded_dim, row_strides, seq_strides
 
@@ -402,7 +403,7 @@ def launch_dot_do_o(o, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=Non
     grid = (triton.cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
     if grid[0] == 0:
         return
-    dot_do_o_kernel[grid](
+    launch_cache.launch(dot_do_o_kernel, grid,
         o, do, dlse if dlse is not None else lse, lse, delta,
         dsinks_rows if dsinks_rows is not None else delta, sinks if sinks is not None else lse,
         cu_seqlens_q if varlen else lse,
@@ -507,5 +508,5 @@ def launch_convert_dq(dq_acc, dq, *, scale: float, block_m: int, num_warps: int,
     if n_rows == 0:
         return
     grid = (triton.cdiv(n_rows, block_m),)
-    convert_dq_kernel[grid](dq_acc, dq, n_rows, head_dim, scale, head_dim, head_dim,
+    launch_cache.launch(convert_dq_kernel, grid, dq_acc, dq, n_rows, head_dim, scale, head_dim, head_dim,
                             BLOCK_R=block_m, BLOCK_D=padded_dim(head_dim), num_warps=num_warps)

@@ -1,6 +1,7 @@
 """Backward dK/dV (+ dQ by atomics) for Hopper in Gluon (family `bwd_dq_dk_dv`, pipeline `gluon`).
 
-One program per (batch, KV head, 128-key tile), 8 warps (two warpgroups of 64 key rows).
+One program per (batch, KV head, key tile): 128 keys on 8 warps (two warpgroups of 64 key
+rows), or 64 keys on 4 or 8 warps (D=256: 8, dQ formed in column halves).
 K and V stay in shared memory; Q and dO tiles of 64 query rows stream through a ring of
 TMA stages, over every query head of the KV head's group. Per query tile, with wgmma:
 
@@ -13,11 +14,13 @@ dK is scaled by the softmax scale at the end; dQ_acc is converted (and scaled) b
 `bwd_convert_dq` kernel as for the Triton path. LSE and delta of each query tile come by TMA
 with Q and dO (STATS_TMA; per-thread loads where TMA cannot address them), and dQ goes out
 as `red.global.add.v2.f32` of column pairs (DQ_V2; scalar atomics if 8-byte alignment fails).
-Scope: fp16/bf16, Dqk == Dv in {64, 128}, no mask or causal in either alignment, GQA;
+Scope: fp16/bf16, Dqk == Dv in {64, 128, 256}, no mask or causal in either alignment, GQA;
 TMA-aligned bhsd/bshd views.
 """
 
 from __future__ import annotations
+
+import functools
 
 import triton
 from triton.experimental import gluon
@@ -30,10 +33,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import acc_layout, descriptor, descriptor_type, tma_aligned
+from . import launch_cache
+from .gluon_common import acc_layout, descriptor, descriptor_type, fast_descriptor, tma_aligned
 
 LOG2E = gl.constexpr(1.4426950408889634)
-NUM_WARPS = gl.constexpr(8)
 
 
 @gluon.jit
@@ -94,12 +97,15 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr,
                     seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale,
                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
-                    DQ_V2: gl.constexpr):
-    """lse, delta: TMA descriptors of (B, Hq, Sq) fp32 with STATS_TMA, else pointers."""
+                    DQ_V2: gl.constexpr, DQ_COLS: gl.constexpr):
+    """lse, delta: TMA descriptors of (B, Hq, Sq) fp32 with STATS_TMA, else pointers.
+    DQ_COLS: dQ is formed and added DQ_COLS columns at a time (HEAD_DIM for one product; half
+    at D=256, where a whole 64 x 256 fp32 dQ next to dK and dV would spill)."""
     dtype: gl.constexpr = q_desc.dtype
+    NUM_WARPS: gl.constexpr = gl.num_warps()
     st_layout: gl.constexpr = acc_layout(BLOCK_N, BLOCK_M, NUM_WARPS)  # S^T, dP^T: keys x queries
     kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, NUM_WARPS)  # dK, dV
-    dq_layout: gl.constexpr = acc_layout(BLOCK_M, HEAD_DIM, NUM_WARPS)
+    dq_layout: gl.constexpr = acc_layout(BLOCK_M, DQ_COLS, NUM_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
@@ -149,9 +155,9 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr,
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
     dq_rows_base = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+    dq_cols = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
     mbarrier.wait(kv_bar, 0)
     for it in range(total):
         stage = it % STAGES
@@ -202,15 +208,20 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr,
         if it + STAGES - 1 < total:  # the stage of iteration it-1 is free: prefetch ahead
             _load_tile(q_desc, do_desc, lse, delta, q_smem, do_smem, lse_smem, delta_smem, ready, stat_ready,
                        it + STAGES - 1, m_start, n_m, hq0, b, BLOCK_M, STAGES, STATS_TMA)
-        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
         dq_rows = m0 + dq_rows_base
-        dq_offs = (b.to(gl.int64) * stride_dqb + h * stride_dqh + dq_rows[:, None] * stride_dqm
-                   + dq_cols[None, :])
-        if DQ_V2:
-            _red_add_v2(dq_ptr + dq_offs, dq, (dq_rows < seqlen_q).to(gl.int32)[:, None])
-        else:
-            gl.atomic_add(dq_ptr + dq_offs, dq, mask=(dq_rows < seqlen_q)[:, None], sem="relaxed")
+        dq_base = dq_ptr + (b.to(gl.int64) * stride_dqb + h * stride_dqh + dq_rows[:, None] * stride_dqm
+                            + dq_cols[None, :])
+        for c in gl.static_range(HEAD_DIM // DQ_COLS):
+            dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem.slice(c * DQ_COLS, DQ_COLS, dim=1), dq_zero,
+                               use_acc=False, is_async=True)
+            if c == 0:
+                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+            else:
+                dq = warpgroup_mma_wait(0, deps=(dq,))
+            if DQ_V2:
+                _red_add_v2(dq_base + c * DQ_COLS, dq, (dq_rows < seqlen_q).to(gl.int32)[:, None])
+            else:
+                gl.atomic_add(dq_base + c * DQ_COLS, dq, mask=(dq_rows < seqlen_q)[:, None], sem="relaxed")
 
     kv_rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     kv_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -221,8 +232,13 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr,
              + kv_cols[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_ok)
 
 
+def dq_columns(head_dim: int) -> int:
+    """Columns of dQ per product (see DQ_COLS)."""
+    return min(head_dim, 128)
+
+
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_bottom_right: bool,
-                scale: float, block_m: int, block_n: int, num_stages: int) -> None:
+                scale: float, block_m: int, block_n: int, num_stages: int, num_warps: int = 8) -> None:
     """(B, H, S, D) views; lse/delta (B, Hq, Sq) fp32; dq_acc fp32 (B, Hq, Sq, D) view, zeroed."""
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
@@ -232,7 +248,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     stats_tma = tma_aligned(lse, delta)
     # dQ pairs 8-byte aligned: the kernel assumes column stride 1; the other strides even.
     dq_v2 = dq_acc.data_ptr() % 8 == 0 and all(s % 2 == 0 for s in dq_acc.stride()[:3])
-    bwd_dkdv_kernel[grid](
+    launch_cache.launch(bwd_dkdv_kernel, grid,
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m),
         _stats_descriptor(lse, block_m) if stats_tma else lse,
         _stats_descriptor(delta, block_m) if stats_tma else delta,
@@ -240,10 +256,11 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
         *dv.stride()[:3],
         seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale,
         CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-        STATS_TMA=stats_tma, DQ_V2=dq_v2, num_warps=NUM_WARPS.value,
+        STATS_TMA=stats_tma, DQ_V2=dq_v2, DQ_COLS=dq_columns(head_dim), num_warps=num_warps,
     )
 
 
+@functools.cache
 def _stats_layout():
     """Shared layout of an LSE/delta TMA block [1, 1, BLOCK_M] (fp32, unswizzled)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
@@ -251,13 +268,12 @@ def _stats_layout():
 
 def _stats_descriptor(t, block_m: int):
     """TMA descriptor of a (B, Hq, Sq) fp32 LSE/delta: one (b, h) row of block_m queries."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_m], _stats_layout())
+    return fast_descriptor(t, [1, 1, block_m], _stats_layout())
 
 
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
-                 causal: bool, stats_tma: bool = True, dq_v2: bool = True) -> tuple[dict, dict, dict]:
+                 causal: bool, stats_tma: bool = True, dq_v2: bool = True, num_warps: int = 8
+                 ) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `bwd_dkdv_kernel` as `launch_dkdv` calls it (with
     TMA-aligned LSE/delta and an 8-byte aligned dq_acc unless told otherwise)."""
     def desc(rows):
@@ -268,8 +284,8 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
              "do_desc": desc(block_m), "lse": stats, "delta": stats, "dq_ptr": "*fp32",
              "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}", "qk_scale": "fp32", "scale": "fp32"}
     constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-                      STATS_TMA=stats_tma, DQ_V2=dq_v2)
+                      STATS_TMA=stats_tma, DQ_V2=dq_v2, DQ_COLS=dq_columns(head_dim))
     # In the kernel's argument order; the other arguments are strides and sizes (i32).
     signature = {name: types.get(name, "i32") for name in bwd_dkdv_kernel.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return signature, constexprs, {"num_warps": NUM_WARPS.value}
+    return signature, constexprs, {"num_warps": num_warps}

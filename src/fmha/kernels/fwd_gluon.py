@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import launch_cache
 from .gluon_common import acc_layout, descriptor, descriptor_type, tma_aligned
 
 LOG2E = 1.4426950408889634
@@ -363,7 +364,7 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     else:
         v_desc = descriptor(v, block_n)
         fp8_args = (None, 0, 0, 1, None, 0, 0, None, 0, 0)
-    fwd_ws_kernel[grid](
+    launch_cache.launch(fwd_ws_kernel, grid,
         q_desc, descriptor(k, block_n), v_desc,
         descriptor(o, WG_ROWS.value) if o_tma else q_desc,  # unused without O_TMA
         o, *o.stride()[:3], lse, *lse.stride(),

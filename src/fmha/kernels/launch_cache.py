@@ -1,0 +1,79 @@
+"""Launch a compiled kernel again without the JIT's per-call argument binding.
+
+`kernel[grid](*args, **kwargs)` specializes every argument (dtype, 16-byte alignment, int
+range, == 1, % 16) and looks the kernel up by that key: about 1 us of Python per argument,
+40-80 us for the 30-argument attention kernels, the largest part of a short problem's host
+path on Hopper (tools/host_overhead_gpu.py). `launch` keys the compiled kernel by a finer
+key that is cheaper to compute (the constexpr and option values as given; per argument its
+value or type, see `_key_of`), and calls its launcher directly. The first call of a
+key goes through the JIT (compiling or loading from Triton's cache, with its checks); so does
+every call of an interpreted kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+_CACHE: dict = {}
+_CACHE_MAX = 4096
+
+
+def _tensor_key(t: torch.Tensor):
+    return (t.dtype, t.data_ptr() % 16 == 0)
+
+
+def _descriptor_key(d):
+    # A host TMA descriptor's type: dtype, block shape and layout (the layouts are cached
+    # objects, gluon_common._shared_layout); its base is 16-byte aligned by construction.
+    return (d.base.dtype, tuple(d.block_shape), d.layout)
+
+
+def _key_of(a: Any):
+    """What the compiled kernel depends on: an int's value (finer than the JIT's == 1 / % 16 /
+    range, so never coarser), a float's or None's type, a bool's value, a tensor's dtype and
+    alignment, a descriptor's type."""
+    kind = type(a)
+    if kind is int:
+        return a
+    if kind is float or a is None:
+        return kind
+    if kind is bool:
+        return (bool, a)  # (True == 1 as a key)
+    if isinstance(a, torch.Tensor):
+        return _tensor_key(a)
+    if hasattr(a, "block_shape") and hasattr(a, "layout"):
+        return _descriptor_key(a)
+    raise TypeError(f"launch_cache: no key for an argument of type {kind.__name__}")
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)`. args: the kernel's leading parameters, positionally;
+    kwargs: every later parameter (constexprs) by name, then launch options (num_warps, ...)."""
+    if not isinstance(kernel, JITFunction) or knobs.runtime.interpret:
+        kernel[grid](*args, **kwargs)
+        return
+    device = driver.active.get_current_device()
+    key = (id(kernel), device, tuple(map(_key_of, args)), tuple(kwargs.items()))
+    hit = _CACHE.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, **kwargs)
+        names = kernel.arg_names[len(args):]
+        if compiled is None or not set(names) <= kwargs.keys():
+            return  # (parameters left to their defaults: not cached, the JIT binds each call)
+        if hasattr(compiled, "result"):  # an asynchronous compile's future
+            compiled = compiled.result()
+        if len(_CACHE) >= _CACHE_MAX:
+            _CACHE.clear()
+        _CACHE[key] = (compiled, tuple(kwargs[n] for n in names), kernel)  # (kernel: keeps its id)
+        return
+    compiled, tail, _ = hit
+    bound = (*args, *tail)
+    stream = driver.active.get_current_stream(device)
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                 compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *bound),
+                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound)

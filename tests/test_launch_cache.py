@@ -1,0 +1,50 @@
+"""kernels/launch_cache: the compiled-kernel key must separate every argument property the
+JIT specializes on (a shared key would run a kernel compiled for other arguments), and an
+interpreted kernel always goes through its own call. The launches themselves run in the GPU
+tests (tests/test_gpu.py::test_launch_cache_*)."""
+
+import torch
+
+from fmha.kernels import launch_cache
+from fmha.kernels.gluon_common import _shared_layout, descriptor
+
+
+def test_int_keys_are_values_and_bools_differ_from_ints():
+    assert launch_cache._key_of(16) == 16 and launch_cache._key_of(2**40) == 2**40
+    assert launch_cache._key_of(True) != launch_cache._key_of(1)
+    assert launch_cache._key_of(0.5) is launch_cache._key_of(2.0) is float
+    assert launch_cache._key_of(None) is type(None)
+
+
+def test_tensor_keys_see_dtype_and_16_byte_alignment():
+    x = torch.zeros(64, dtype=torch.float32)
+    assert launch_cache._key_of(x) == launch_cache._key_of(x[4:])  # 16 bytes further: aligned
+    assert launch_cache._key_of(x) != launch_cache._key_of(x[1:])  # 4 bytes: not
+    assert launch_cache._key_of(x) != launch_cache._key_of(x.to(torch.float16))
+
+
+def test_descriptor_keys_see_block_and_layout():
+    t = torch.zeros(2, 4, 256, 128, dtype=torch.bfloat16)
+    a, b = descriptor(t, 128), descriptor(t, 64)
+    assert launch_cache._key_of(a) == launch_cache._key_of(descriptor(t.clone(), 128))
+    assert launch_cache._key_of(a) != launch_cache._key_of(b)
+    assert a.layout is _shared_layout("bf16", 128, 128)  # cached: one object per block
+
+
+def test_other_argument_types_are_refused():
+    import pytest
+
+    with pytest.raises(TypeError, match="no key"):
+        launch_cache._key_of("text")
+
+
+def test_interpreted_kernels_take_their_own_call(monkeypatch):
+    calls = []
+
+    class Interpreted:  # not a JITFunction (as triton's InterpretedFunction)
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((grid, a, k))
+
+    launch_cache.launch(Interpreted(), (3,), 1, 2.0, BLOCK=4)
+    assert calls == [((3,), (1, 2.0), {"BLOCK": 4})]
+    assert not launch_cache._CACHE  # (the CPU backward tests run the interpreted bwd launches)
