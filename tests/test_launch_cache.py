@@ -48,3 +48,37 @@ def test_interpreted_kernels_take_their_own_call(monkeypatch):
     launch_cache.launch(Interpreted(), (3,), 1, 2.0, BLOCK=4)
     assert calls == [((3,), (1, 2.0), {"BLOCK": 4})]
     assert not launch_cache._CACHE  # (the CPU backward tests run the interpreted bwd launches)
+
+
+def _recorded_launches(monkeypatch):
+    """launch_cache.launch replaced by a recorder: the compiled modules' launchers run on CPU
+    tensors up to their kernel call."""
+    seen = []
+    monkeypatch.setattr(launch_cache, "launch", lambda kernel, grid, *a, **k: seen.append((kernel, grid, a, k)))
+    return seen
+
+
+def test_every_argument_the_launchers_pass_has_a_key(monkeypatch):
+    """A launcher passing an argument `_key_of` cannot key would fail only on the GPU (CPU
+    runs take the interpreter, which bypasses the cache): check their real arguments here."""
+    from fmha.kernels import bwd, bwd_gluon, fwd_gluon
+
+    seen = _recorded_launches(monkeypatch)
+    b, h, s, d = 2, 4, 256, 128
+    q, k, v, o, do = (torch.randn(b, h, s, d).to(torch.bfloat16) for _ in range(5))
+    lse, delta = torch.randn(b, h, s), torch.randn(b, h, s)
+    fwd_gluon.launch(q, k, v, o, lse, causal=True, align_bottom_right=True, scale=0.1, block_m=128,
+                     block_n=128, num_stages=2)
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    fwd_gluon.launch(q8, k8, v8, o, lse, causal=False, align_bottom_right=True, scale=0.1, block_m=128,
+                     block_n=128, num_stages=2, descales=(torch.ones(b, h, 1), None, None))
+    bwd_gluon.launch_dkdv(q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v),
+                          torch.zeros(b, h, s, d), causal=True, align_bottom_right=False, scale=0.1,
+                          block_m=64, block_n=128, num_stages=2)
+    bwd.launch_dot_do_o(o, do, lse, delta, batch=b, max_seqlen_q=s, block_m=64, num_warps=4, num_stages=1)
+    bwd.launch_convert_dq(torch.zeros(b, h, s, d), torch.empty_like(q), scale=0.1, block_m=64, num_warps=4)
+    assert len(seen) == 5
+    for kernel, grid, args, kwargs in seen:
+        assert all(isinstance(g, int) for g in grid)
+        hash((tuple(map(launch_cache._key_of, args)), tuple(kwargs.items())))  # keys and hashes
+        assert set(kernel.arg_names[len(args):]) <= kwargs.keys(), kernel  # cacheable: no defaults left
