@@ -81,4 +81,31 @@ def test_every_argument_the_launchers_pass_has_a_key(monkeypatch):
     for kernel, grid, args, kwargs in seen:
         assert all(isinstance(g, int) for g in grid)
         hash((tuple(map(launch_cache._key_of, args)), tuple(kwargs.items())))  # keys and hashes
-        assert set(kernel.arg_names[len(args):]) <= kwargs.keys(), kernel  # cacheable: no defaults left
+        assert set(kernel.arg_names[len(args):]) <= kwargs.keys(), kernel  # cacheable: no defaults left,
+        assert all(type(x) in launch_cache._PLAIN for x in kwargs.values()), kernel  # no tensors by keyword
+
+
+def test_tensors_by_keyword_are_not_cached(monkeypatch):
+    """The key holds keyword values as they are: a tensor there (hashed by identity) would
+    miss every time and keep the tensor alive, so such calls are left to the JIT."""
+    from triton.runtime.jit import JITFunction
+
+    calls = []
+
+    class Kernel(JITFunction):
+        def __init__(self):  # no function to compile: a stand-in for a compiled kernel
+            self.arg_names = ["x", "Y"]
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append(k) or object()
+
+    import types
+
+    active = types.SimpleNamespace(get_current_device=lambda: 0)
+    monkeypatch.setattr(launch_cache, "driver", types.SimpleNamespace(active=active))
+    kernel = Kernel()
+    launch_cache.launch(kernel, (1,), 1, Y=torch.zeros(2))
+    launch_cache.launch(kernel, (1,), 1, Y=3)
+    assert len(calls) == 2
+    assert [key[3] for key in launch_cache._CACHE if key[0] == id(kernel)] == [(("Y", 3),)]
+    launch_cache._CACHE.clear()

@@ -21,6 +21,7 @@ from triton.runtime.jit import JITFunction
 
 _CACHE: dict = {}
 _CACHE_MAX = 4096
+_PLAIN = (int, float, bool, str, type(None))  # keyword values the key may hold as they are
 
 
 def _tensor_key(t: torch.Tensor):
@@ -53,7 +54,8 @@ def _key_of(a: Any):
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)`. args: the kernel's leading parameters, positionally;
-    kwargs: every later parameter (constexprs) by name, then launch options (num_warps, ...)."""
+    kwargs: every later parameter (constexprs) by name, then launch options (num_warps, ...).
+    Calls that leave a parameter to its default or pass a tensor by keyword are not cached."""
     if not isinstance(kernel, JITFunction) or knobs.runtime.interpret:
         kernel[grid](*args, **kwargs)
         return
@@ -63,8 +65,9 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if hit is None:
         compiled = kernel[grid](*args, **kwargs)
         names = kernel.arg_names[len(args):]
-        if compiled is None or not set(names) <= kwargs.keys():
-            return  # (parameters left to their defaults: not cached, the JIT binds each call)
+        if (compiled is None or not set(names) <= kwargs.keys()
+                or not all(type(x) in _PLAIN for x in kwargs.values())):
+            return  # (parameters left to their defaults, or tensors by keyword: the JIT binds each call)
         if hasattr(compiled, "result"):  # an asynchronous compile's future
             compiled = compiled.result()
         if len(_CACHE) >= _CACHE_MAX:
