@@ -112,6 +112,20 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path, monkeypatch):
     assert all(0 < k.shared <= 232448 for k in results[0].kernels)
 
 
+@pytest.mark.parametrize("change,reason", [
+    (dict(seqlen_q=0), "seqlen_q is 0"), (dict(batch=0), "batch is 0"),
+    (dict(seqlen_q=0, seqlen_k=0), "seqlen_q and seqlen_k are 0"),
+])
+def test_empty_problems_take_the_triton_backward(change, reason):
+    """A backward with no queries still zeroes dK/dV, but TMA cannot describe an empty q."""
+    problem = _problem(**change)
+    config = Dispatcher(default_registry()).plan_backward(problem).config(Family.BWD_DQ_DK_DV)
+    assert config.algorithm.pipeline == Pipeline.TRITON
+    text = Dispatcher(default_registry()).explain(problem, Family.BWD_DQ_DK_DV)
+    line = next(line for line in text.splitlines() if "d128-128_sm90_gluon" in line)
+    assert "refused" in line and reason in line, line
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_sm90_half_precision_backward_gets_the_gluon_dkdv_kernel(head_dim):
     problem = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, causal=True)

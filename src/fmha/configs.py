@@ -77,7 +77,7 @@ class Signature:
     features: frozenset[Feature] = DENSE_FEATURES
     head_dims: tuple[int, ...] = ()  # if set: Dqk == Dv, one of these (fixed-size tiles)
     sliding_window: bool = True  # False: of the masks, causal only (either alignment)
-    needs_tma: bool = False  # TMA loads: 16-byte aligned strides, non-empty keys
+    needs_tma: bool = False  # TMA loads: 16-byte aligned strides, no empty batch or sequence
     fp8_block_descale: bool = True  # False: fp8 descales per tensor or per (batch, head) only
 
     def refusals(self, problem: Problem) -> list[str]:
@@ -101,8 +101,10 @@ class Signature:
             reasons.append(f"window {problem.window}: only causal masks, no sliding window")
         if self.needs_tma and not problem.tma_aligned:
             reasons.append("q/k/v strides or base pointers are not 16-byte aligned (TMA needs it)")
-        if self.needs_tma and problem.seqlen_k == 0:
-            reasons.append("seqlen_k is 0 (a TMA descriptor needs a non-empty tensor)")
+        empty = [name for name in ("batch", "seqlen_q", "seqlen_k") if getattr(problem, name) == 0]
+        if self.needs_tma and empty:  # (e.g. the backward of seqlen_q == 0 still has keys to zero)
+            reasons.append(f"{' and '.join(empty)} {'is' if len(empty) == 1 else 'are'} 0 "
+                           f"(a TMA descriptor needs a non-empty tensor)")
         if not self.fp8_block_descale and problem.fp8_block_descale:
             reasons.append("fp8 descales per block: this kernel takes one per tensor or per (batch, head)")
         return reasons
