@@ -109,3 +109,40 @@ def test_tensors_by_keyword_are_not_cached(monkeypatch):
     assert len(calls) == 2
     assert [key[3] for key in launch_cache._CACHE if key[0] == id(kernel)] == [(("Y", 3),)]
     launch_cache._CACHE.clear()
+
+
+def test_every_decode_launch_has_a_key_and_the_16_bit_ones_are_cached(monkeypatch):
+    """attention_with_kvcache as for CUDA tensors on an H200 (the compiled kvcache module,
+    launches recorded): block table, indptr tables, split-KV + combine, append with rotary.
+    float8 caches pass their descales by keyword: keyed, but left to the JIT."""
+    import fmha
+    from fmha import kvcache as api_kvcache
+    from fmha.kernels import kvcache as kernels
+
+    seen = _recorded_launches(monkeypatch)
+    monkeypatch.setattr(api_kvcache, "family_module", lambda *a, **k: kernels)
+    monkeypatch.setattr(api_kvcache, "_reads_values", lambda device: False)
+    monkeypatch.setattr(api_kvcache, "_arch", lambda device: "sm90")
+    monkeypatch.setattr(api_kvcache, "_sm_count", lambda device: 132)
+    b, hq, hk, d, page, pages = 2, 8, 2, 64, 16, 8
+    q = torch.randn(b, 1, hq, d).to(torch.bfloat16)
+    pool = torch.randn(b * pages, page, hk, d).to(torch.bfloat16)
+    table = torch.arange(b * pages, dtype=torch.int32).reshape(b, pages)
+    lens = torch.full((b,), 100, dtype=torch.int32)
+    for splits in (0, 1, 3):
+        fmha.attention_with_kvcache(q, pool, pool, block_table=table, cache_seqlens=lens, num_splits=splits)
+    fmha.attention_with_kvcache(q, pool, pool, kv_indices=table.reshape(-1), kv_last_page_len=lens - 96,
+                                kv_indptr=torch.tensor([0, pages, 2 * pages], dtype=torch.int32))
+    cos, sin = torch.randn(256, d // 2), torch.randn(256, d // 2)
+    new = torch.randn(b, 1, hk, d).to(torch.bfloat16)
+    fmha.attention_with_kvcache(q, pool, pool, k=new, v=new, block_table=table, cache_seqlens=lens,
+                                rotary_cos=cos, rotary_sin=sin)
+    fp8 = pool.to(torch.float8_e4m3fn)
+    fmha.attention_with_kvcache(q, fp8, fp8, block_table=table, cache_seqlens=lens, num_splits=1)
+    names = [kernel.fn.__name__ for kernel, *_ in seen]
+    assert {"splitkv_kernel", "combine_kernel", "rotary_append_kernel"} <= set(names), names
+    for kernel, _grid, args, kwargs in seen:
+        hash((tuple(map(launch_cache._key_of, args)), tuple(kwargs.items())))
+        assert set(kernel.arg_names[len(args):]) <= kwargs.keys(), kernel.fn.__name__
+    plain = [all(type(x) in launch_cache._PLAIN for x in kwargs.values()) for *_, kwargs in seen]
+    assert plain == [True] * (len(seen) - 1) + [False]  # only the float8 cache's launch is not cached

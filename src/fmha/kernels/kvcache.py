@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch_cache
 from .common import LN2, LOG2E, key_range, modify_logits, visible
 from .launch_args import alibi_strides, padded_dim
 
@@ -403,7 +404,7 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
     if grid[0] == 0:
         return
     paging = _paging(block_table, kv_indptr, k_cache.shape[1], block_n)
-    splitkv_kernel[grid](
+    launch_cache.launch(splitkv_kernel, grid,
         q, k_cache, v_cache, o, lse,
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
         block_table if block_table is not None else dummy, kv_indptr if kv_indptr is not None else dummy,
@@ -426,9 +427,11 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
 
 
 def _fp8_args(k_cache, k_descale, v_descale) -> dict:
-    """Kernel arguments of a float8 cache (none for 16/32-bit caches)."""
+    """Kernel arguments of a float8 cache (the defaults for 16/32-bit caches, given explicitly
+    so that launch_cache keeps the launch)."""
     if k_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return {}
+        return dict(KDescale=None, VDescale=None, stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0,
+                    KV_FP8=False)
     one = torch.ones((1, 1), dtype=torch.float32, device=k_cache.device)
     kd = k_descale if k_descale is not None else one
     vd = v_descale if v_descale is not None else one
@@ -451,7 +454,7 @@ def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sink
     if n_rows == 0:
         return
     grid = (triton.cdiv(n_rows, block_m),)
-    combine_kernel[grid](
+    launch_cache.launch(combine_kernel, grid,
         o_parts, lse_parts, o, lse, sinks if sinks is not None else lse,
         n_parts, n_rows, nheads, seqlen, head_dim,
         o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0),
@@ -483,7 +486,7 @@ def launch_rotary_append(src, dst, *, base, cos=None, sin=None, interleaved=Fals
     rotate = cos is not None
     rotary_kernel_args = (cos, sin, cos.stride(0), cos.shape[1]) if rotate else (base, base, 0, 0)
     paging = _paging(block_table, kv_indptr, dst.shape[1], 1)
-    rotary_append_kernel[grid](
+    launch_cache.launch(rotary_append_kernel, grid,
         src, dst, rotary_kernel_args[0], rotary_kernel_args[1],
         block_table if block_table is not None else base, kv_indptr if kv_indptr is not None else base,
         cache_batch_idx if cache_batch_idx is not None else base, base,
