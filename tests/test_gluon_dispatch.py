@@ -21,6 +21,12 @@ def _fwd_config(problem):
     return Dispatcher(default_registry()).plan_forward(problem).config(Family.FWD)
 
 
+def _explain_line(problem, family, config_name_part):
+    """The line of `explain` that judges the config whose name contains `config_name_part`."""
+    text = Dispatcher(default_registry()).explain(problem, family)
+    return next(line for line in text.splitlines() if config_name_part in line)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("align", list(MaskAlign))
@@ -46,8 +52,7 @@ def test_other_problems_fall_back_to_triton_and_explain_says_why(change, reason)
     problem = _problem(**change)
     config = _fwd_config(problem)
     assert config.algorithm.pipeline == Pipeline.TRITON
-    text = Dispatcher(default_registry()).explain(problem, Family.FWD)
-    gluon_line = next(line for line in text.splitlines() if "d128-128_sm90_gluon" in line)
+    gluon_line = _explain_line(problem, Family.FWD, "d128-128_sm90_gluon")
     assert "refused" in gluon_line and reason in gluon_line, gluon_line
 
 
@@ -64,8 +69,7 @@ def test_fp8_e4m3_with_tensor_or_head_descales_gets_the_gluon_kernel(head_dim):
 def test_fp8_problems_the_gluon_kernel_does_not_take_run_on_triton(change, reason):
     problem = _problem(**{"dtype": DType.FP8_E4M3, **change})
     assert _fwd_config(problem).algorithm.pipeline == Pipeline.TRITON
-    text = Dispatcher(default_registry()).explain(problem, Family.FWD)
-    line = next(line for line in text.splitlines() if "fp8_e4m3_d128-128_sm90_gluon" in line)
+    line = _explain_line(problem, Family.FWD, "fp8_e4m3_d128-128_sm90_gluon")
     assert "refused" in line and reason in line, line
 
 
@@ -121,8 +125,7 @@ def test_empty_problems_take_the_triton_backward(change, reason):
     problem = _problem(**change)
     config = Dispatcher(default_registry()).plan_backward(problem).config(Family.BWD_DQ_DK_DV)
     assert config.algorithm.pipeline == Pipeline.TRITON
-    text = Dispatcher(default_registry()).explain(problem, Family.BWD_DQ_DK_DV)
-    line = next(line for line in text.splitlines() if "d128-128_sm90_gluon" in line)
+    line = _explain_line(problem, Family.BWD_DQ_DK_DV, "d128-128_sm90_gluon")
     assert "refused" in line and reason in line, line
 
 

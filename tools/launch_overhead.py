@@ -13,9 +13,9 @@ the JIT, alternating, best of 3 x 7 x 300 calls.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
+from host_overhead import per_call_us  # tools/: the same best-of-N timing
 from triton.backends.compiler import GPUTarget
 from triton.compiler import compiler
 from triton.runtime import driver
@@ -38,18 +38,6 @@ class _StandInDriver:
 def _no_load(self):  # CompiledKernel._init_handles without a GPU: nothing loaded, a no-op launcher
     if self.module is None:
         self.module, self.function, self._run = object(), None, lambda *args: None
-
-
-def _best(fn, calls=300, repeats=7) -> float:
-    for _ in range(5):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
 
 
 def _dense_cases():
@@ -109,9 +97,9 @@ def main() -> int:
     for _ in range(3):
         for name, fn in cases.items():
             launch_cache.launch = cached_launch
-            cached[name] = min(cached[name], _best(fn))
+            cached[name] = min(cached[name], per_call_us(fn, 300, repeats=7))
             launch_cache.launch = jit_launch
-            jit[name] = min(jit[name], _best(fn))
+            jit[name] = min(jit[name], per_call_us(fn, 300, repeats=7))
     launch_cache.launch = cached_launch
     for name in cases:
         print(f"{name:<26} launch cache {cached[name]:6.1f} us   JIT every call {jit[name]:6.1f} us")

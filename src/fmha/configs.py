@@ -99,12 +99,13 @@ class Signature:
                            f"equal and one of {list(self.head_dims)}")
         if not self.sliding_window and problem.window not in ((-1, -1), (-1, 0)):
             reasons.append(f"window {problem.window}: only causal masks, no sliding window")
-        if self.needs_tma and not problem.tma_aligned:
-            reasons.append("q/k/v strides or base pointers are not 16-byte aligned (TMA needs it)")
-        empty = [name for name in ("batch", "seqlen_q", "seqlen_k") if getattr(problem, name) == 0]
-        if self.needs_tma and empty:  # (e.g. the backward of seqlen_q == 0 still has keys to zero)
-            reasons.append(f"{' and '.join(empty)} {'is' if len(empty) == 1 else 'are'} 0 "
-                           f"(a TMA descriptor needs a non-empty tensor)")
+        if self.needs_tma:
+            if not problem.tma_aligned:
+                reasons.append("q/k/v strides or base pointers are not 16-byte aligned (TMA needs it)")
+            empty = [name for name in ("batch", "seqlen_q", "seqlen_k") if getattr(problem, name) == 0]
+            if empty:  # (e.g. the backward of seqlen_q == 0 still has keys to zero)
+                reasons.append(f"{' and '.join(empty)} {'is' if len(empty) == 1 else 'are'} 0 "
+                               f"(a TMA descriptor needs a non-empty tensor)")
         if not self.fp8_block_descale and problem.fp8_block_descale:
             reasons.append("fp8 descales per block: this kernel takes one per tensor or per (batch, head)")
         return reasons
