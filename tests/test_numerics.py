@@ -50,6 +50,18 @@ def test_compare_fails_on_a_wrong_output_and_passes_the_baseline(rng):
     assert not numerics.compare("o", nan, truth, baseline, torch.bfloat16).ok
 
 
+def test_fp32_slack_is_relative_to_the_truths_magnitude_above_1(rng):
+    """fp32 values of magnitude ~11 (CI's property-test case): the slack is 2e-5 x 11, not a
+    flat 2e-5; below magnitude 1 it stays 2e-5."""
+    truth = randn((64,), torch.float64, rng) * 11 / 3
+    truth[0] = 11.0
+    baseline = truth + 1e-5
+    assert numerics.compare("dq", truth + 1.5e-4, truth, baseline, torch.float32).ok  # 1.5e-4 <= 2e-5 + 2.2e-4
+    assert not numerics.compare("dq", truth + 3e-4, truth, baseline, torch.float32).ok
+    small = truth / 22  # magnitude 0.5: flat slack
+    assert not numerics.compare("dq", small + 5e-5, small, small + 1e-5, torch.float32).ok  # > 2e-5 + 2e-5
+
+
 def test_rounding_slack_scales_with_dtype(rng):
     truth = randn((256,), torch.float64, rng)
     assert numerics.rounding_slack(truth, torch.bfloat16) > numerics.rounding_slack(truth, torch.float16) > 0

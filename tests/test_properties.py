@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, example, given, note, settings
 from hypothesis import strategies as st
 
 import fmha
@@ -145,6 +145,11 @@ def test_forward_matches_reference(case):
 
 @settings(max_examples=10, **SETTINGS)
 @given(case=cases(max_seqlen=32), with_dlse=st.booleans(), deterministic=st.booleans())
+# CI found this one (2026-11-30): fp32 dq of magnitude 11 at logits of std 8, over a flat 2e-5 slack
+@example(case=Case(batch=1, nhead_k=1, group=1, seqlen_q=23, seqlen_k=15, head_dim=64, head_dim_v=64,
+                   layout="bhsd", dtype=torch.float32, strides={"q": "contiguous", "k": "sliced", "v": "contiguous"},
+                   seed=1, kw={"scale": 1.0}, bias=None, alibi=None, sinks=False),
+         with_dlse=False, deterministic=False)
 def test_gradients_match_reference(case, with_dlse, deterministic):
     q, k, v, kw = make_problem(case)
     note(describe(case, q, k, v) + f"\n  with_dlse={with_dlse} deterministic={deterministic}")
