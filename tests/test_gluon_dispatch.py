@@ -129,11 +129,28 @@ def test_empty_problems_take_the_triton_backward(change, reason):
     assert "refused" in line and reason in line, line
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_sm90_half_precision_backward_gets_the_gluon_dkdv_kernel(head_dim):
+@pytest.mark.parametrize("head_dim,pipeline", [(64, Pipeline.GLUON_WS), (128, Pipeline.GLUON),
+                                               (256, Pipeline.GLUON)])
+def test_sm90_half_precision_backward_gets_the_gluon_dkdv_kernel(head_dim, pipeline):
     problem = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, causal=True)
     config = Dispatcher(default_registry()).plan_backward(problem).config(Family.BWD_DQ_DK_DV)
-    assert config.algorithm.pipeline == Pipeline.GLUON and config.signature.head_dims == (head_dim,)
+    assert config.algorithm.pipeline == pipeline and config.signature.head_dims == (head_dim,)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_warp_specialized_backward_compiles_for_sm90(tmp_path, monkeypatch, head_dim):
+    """Loader warp, two writer warps and 8 compute warps: 12 warps at 168 registers, the
+    workers at 24 (the whole register file when the compute warpgroups take 240)."""
+    import dataclasses
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon
+                  and c.family == Family.BWD_DQ_DK_DV and c.signature.head_dims == (head_dim,))
+    config = type(config)(config.signature, dataclasses.replace(config.algorithm, pipeline=Pipeline.GLUON_WS))
+    results = precompile.build(Registry([config]), "sm90", dtypes=["bf16"], jobs=2, progress=False,
+                               record_path=tmp_path / "record.json")
+    assert [r.status for r in results] == ["built"], results[0].message
+    assert all(0 < k.shared <= 232448 for k in results[0].kernels)
 
 
 def test_gluon_d256_backward_compiles_for_sm90(tmp_path, monkeypatch):
@@ -161,7 +178,8 @@ def test_gluon_fp8_kernel_compiles_for_sm90(tmp_path, monkeypatch):
 @pytest.mark.parametrize("family,change,message", [
     (Family.FWD, dict(block_m=16), "block_m 128 or 192"),
     (Family.FWD, dict(num_warps=8), "num_warps 4"),
-    (Family.BWD_DQ_DK_DV, dict(block_n=32), "64 queries against 64 keys"),
+    (Family.BWD_DQ_DK_DV, dict(block_n=32), "64 queries against 128 keys on 8 compute warps"),
+    (Family.BWD_DQ_DK_DV, dict(pipeline=Pipeline.GLUON_WS_PINGPONG), "64 queries against 64 keys"),
 ])
 def test_gluon_configs_outside_the_kernels_shapes_are_refused(family, change, message):
     """An edited Gluon config (e.g. from an exported registry) is refused when loaded, not

@@ -126,3 +126,41 @@ def test_gluon_backward_bshd_realistic_and_strided_dout(rng):
     for got, want in zip((qg, kg, vg), ref, strict=True):
         err = (got.grad.double() - want.grad).abs().max().item()
         assert err < 0.05 * want.grad.abs().max().item(), err
+
+
+def _backward_dispatcher(pipeline):
+    """The registry with its D 64/128 dK/dV configs (128-key tiles) on `pipeline`: the kernel
+    with or without warp specialization, whichever the registry picks for that head dim."""
+    import dataclasses
+
+    from fmha import Registry, default_registry
+    from fmha.configs import Family, Pipeline
+    from fmha.dispatcher import Dispatcher
+
+    configs = [type(c)(c.signature, dataclasses.replace(c.algorithm, pipeline=Pipeline(pipeline)), notes=c.notes)
+               if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon
+               and c.signature.head_dims in ((64,), (128,)) else c
+               for c in default_registry()]
+    return Dispatcher(Registry(configs, name=f"gluon-bwd-{pipeline}"))
+
+
+@pytest.mark.parametrize("pipeline", ["gluon", "gluon_ws"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1533), (1, 2, 2, 700, 77)], ids=lambda s: "x".join(map(str, s)))
+def test_gluon_backward_both_pipelines(rng, pipeline, head_dim, mask, shape):
+    """Both dK/dV kernels at D 64/128, whichever the registry picks (test_gluon_backward covers
+    that one at more shapes)."""
+    from attn_testing import check_backward
+
+    q, k, v, kw = _masked_problem(rng, torch.bfloat16, head_dim, mask, shape)
+    with fmha.api.use_dispatcher(_backward_dispatcher(pipeline)):
+        line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
+        assert f"sm90_{pipeline}_m64" in line, line
+        check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
+
+
+def test_warp_specialized_backward_is_chosen_at_d64(rng):
+    q, k, v, kw = _masked_problem(rng, torch.bfloat16, 64, "causal", (1, 4, 4, 1024, 1024))
+    line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
+    assert "gluon_ws" in line, line

@@ -75,9 +75,12 @@ def test_every_argument_the_launchers_pass_has_a_key(monkeypatch):
     bwd_gluon.launch_dkdv(q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v),
                           torch.zeros(b, h, s, d), causal=True, align_bottom_right=False, scale=0.1,
                           block_m=64, block_n=128, num_stages=2)
+    bwd_gluon.launch_dkdv(q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v),
+                          torch.zeros(b, h, s, d), causal=False, align_bottom_right=False, scale=0.1,
+                          block_m=64, block_n=128, num_stages=2, warp_specialized=True)
     bwd.launch_dot_do_o(o, do, lse, delta, batch=b, max_seqlen_q=s, block_m=64, num_warps=4, num_stages=1)
     bwd.launch_convert_dq(torch.zeros(b, h, s, d), torch.empty_like(q), scale=0.1, block_m=64, num_warps=4)
-    assert len(seen) == 5
+    assert len(seen) == 6
     for kernel, grid, args, kwargs in seen:
         assert all(isinstance(g, int) for g in grid)
         hash((tuple(map(launch_cache._key_of, args)), tuple(kwargs.items())))  # keys and hashes

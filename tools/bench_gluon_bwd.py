@@ -11,7 +11,9 @@ D 64/128, bf16, causal and not, plus GQA 4x32/8 at 8192. Contenders alternate pe
 --no-ldg: leave out the fmha_ldg_stats contender.
 --shapes B:Hq:Hk:S:D:c,...: these rows instead (c causal, f full), e.g. 4:16:16:4096:256:c.
 --variants d64:m64n64w4s3,...: more contenders, `fmha_<variant>`: the Gluon dK/dV config of
-    that head dim with this tile (block_m, block_n, warps, stages), the rest of the registry as is.
+    that head dim with this tile (block_m, block_n, warps, stages), the rest of the registry as is;
+    a third field names the pipeline (d128:m64n128w8s2:gluon, the kernel without warp specialization),
+    a fourth the warp-specialized kernel's dQ columns per product (d128:m64n128w8s2:gluon_ws:dq64).
 """
 
 import json
@@ -27,12 +29,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
 from fmha import Registry, default_registry
-from fmha.configs import Family
+from fmha.configs import Family, Pipeline
 from fmha.dispatcher import Dispatcher
 
 # "fmha_ldg_stats": the Gluon dK/dV with LSE/delta read by per-thread loads instead of TMA
 # (its fallback for unaligned LSE), to measure what the TMA path gains in the same run.
 STATS_VARIANTS = {"fmha": True, "fmha_ldg_stats": False}
+DEFAULT_DQ_COLS = None  # the module's, read in main()
 
 
 def _stats_tma(on: bool) -> None:
@@ -40,18 +43,32 @@ def _stats_tma(on: bool) -> None:
     bwd_gluon.tma_aligned = gluon_common.tma_aligned if on else (lambda *tensors: False)
 
 
+DQ_COLS = {}  # contender -> {head_dim: dQ columns} of the warp-specialized kernel
+
+
+def _setup(name: str) -> None:
+    """Module switches of contender `name` (LSE/delta by TMA, dQ columns), for its calls."""
+    from fmha.kernels import bwd_gluon
+    _stats_tma(STATS_VARIANTS.get(name, True))
+    bwd_gluon.WS_DQ_COLS = DQ_COLS.get(name, DEFAULT_DQ_COLS)
+
+
 def _variant_dispatcher(spec: str) -> Dispatcher:
     import dataclasses
     import re
 
-    head_dim, tile = spec.split(":")
+    head_dim, tile, *rest = spec.split(":")
     m, n, w, st = map(int, re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", tile).groups())
+    changes = dict(block_m=m, block_n=n, num_warps=w, num_stages=st)
+    if rest:
+        changes["pipeline"] = Pipeline(rest[0])
+    if len(rest) > 1:
+        DQ_COLS[f"fmha_{spec}"] = {**DEFAULT_DQ_COLS, int(head_dim[1:]): int(rest[1][2:])}
     configs = []
     for c in default_registry():
         if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon and c.signature.head_dims == (
                 int(head_dim[1:]),):
-            c = type(c)(c.signature, dataclasses.replace(c.algorithm, block_m=m, block_n=n, num_warps=w,
-                                                         num_stages=st), notes=c.notes)
+            c = type(c)(c.signature, dataclasses.replace(c.algorithm, **changes), notes=c.notes)
         configs.append(c)
     return Dispatcher(Registry(configs, name=f"variant-{spec}"))
 
@@ -62,6 +79,9 @@ TRITON_BWD = Dispatcher(Registry([c for c in default_registry()
 
 
 def main() -> int:
+    global DEFAULT_DQ_COLS
+    from fmha.kernels import bwd_gluon
+    DEFAULT_DQ_COLS = dict(bwd_gluon.WS_DQ_COLS)
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
     quick = "--quick" in sys.argv
     out_dir = Path(os.environ.get("OUT", "out"))
@@ -102,9 +122,9 @@ def main() -> int:
                 with sdpa_kernel(backend):
                     o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, **extra)
             graphs[name] = o
-            _stats_tma(STATS_VARIANTS.get(name, True))
+            _setup(name)
             grads[name] = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-            _stats_tma(True)
+            _setup("fmha")
             times[name] = []
         fmha.set_dispatcher(None)
         diffs = {n: max((a.float() - r.float()).abs().max().item() for a, r in zip(g, grads["cudnn"], strict=True))
@@ -112,10 +132,10 @@ def main() -> int:
         for _ in range(rounds):
             for name, o in graphs.items():
                 fmha.set_dispatcher(dispatcher_of(name))
-                _stats_tma(STATS_VARIANTS.get(name, True))
+                _setup(name)
                 times[name].append(triton.testing.do_bench(
                     lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), warmup=25, rep=100))
-                _stats_tma(True)
+                _setup("fmha")
             fmha.set_dispatcher(None)
         tflops = {n: flops / (statistics.median(t) * 1e-3) / 1e12 for n, t in times.items()}
         chosen = next((line for line in fmha.explain(q, k, v, causal=causal).splitlines()

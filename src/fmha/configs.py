@@ -34,7 +34,8 @@ class Family(str, Enum):
 class Pipeline(str, Enum):
     """How a kernel is written. `triton`: plain Triton with pointer loads (any strides).
     `gluon_ws`: Gluon for Hopper, warp-specialized (TMA producer warp, two wgmma consumer
-    warpgroups), see kernels/fwd_gluon.py; `gluon_ws_pingpong`: the same with the consumer
+    warpgroups), see kernels/fwd_gluon.py (the dK/dV of kernels/bwd_gluon.py: a loader warp,
+    two wgmma warpgroups, two dQ writer warps); `gluon_ws_pingpong`: the same with the consumer
     warpgroups taking turns on the tensor cores (FlashAttention-3's ping-pong). `gluon`:
     Gluon for Hopper, TMA + wgmma, software-pipelined without warp specialization
     (kernels/bwd_gluon.py)."""
@@ -232,11 +233,16 @@ def _gluon_rule_violations(s: Signature, a: Algorithm) -> list[str]:
         if a.block_n < 32:
             rules.append(f"pipeline {a.pipeline.value}: block_n={a.block_n} must be >= 32")
     elif s.family == Family.BWD_DQ_DK_DV:
-        if (a.block_m != 64 or (a.block_n, a.num_warps) not in ((64, 4), (64, 8), (128, 8))
+        if a.pipeline == Pipeline.GLUON_WS:
+            if (a.block_m, a.block_n, a.num_warps) != (64, 128, 8) or s.head_dim_max not in (64, 128):
+                rules.append(f"pipeline {a.pipeline.value}: the warp-specialized Gluon dK/dV kernel runs 64 queries "
+                             f"against 128 keys on 8 compute warps (block_m 64, block_n 128, num_warps 8) at head "
+                             f"dim 64 or 128 (its dQ hand-over buffers leave no room at 256)")
+        elif (a.block_m != 64 or (a.block_n, a.num_warps) not in ((64, 4), (64, 8), (128, 8))
                 or a.pipeline != Pipeline.GLUON):
             rules.append(f"pipeline {a.pipeline.value}: the Gluon dK/dV kernel runs 64 queries against 64 keys "
                          f"on 4 or 8 warps or 128 keys on 8 (block_m 64, block_n/num_warps 64/4, 64/8 or 128/8, "
-                         f"pipeline gluon)")
+                         f"pipeline gluon or, at 128 keys, gluon_ws)")
     else:
         rules.append(f"pipeline {a.pipeline.value}: no Gluon kernel for family {s.family.value}")
     return rules

@@ -368,9 +368,10 @@ def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob
             signature, constexprs, options = fwd_gluon.compile_spec(
                 *args, causal=variant == "causal", pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG)
         elif config.family == Family.BWD_DQ_DK_DV:
-            module, kernel = bwd_gluon, "bwd_dkdv_kernel"
+            ws = a.pipeline == Pipeline.GLUON_WS
+            module, kernel = bwd_gluon, "bwd_dkdv_ws_kernel" if ws else "bwd_dkdv_kernel"
             signature, constexprs, options = bwd_gluon.compile_spec(*args, causal=variant == "causal",
-                                                                    num_warps=a.num_warps)
+                                                                    num_warps=a.num_warps, warp_specialized=ws)
         else:
             raise ValueError(f"no Gluon kernel for family {config.family.value}")
         jobs.append((variant, CompileJob(module.__name__, kernel, tuple(signature.items()),

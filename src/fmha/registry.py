@@ -210,7 +210,8 @@ def default_registry() -> Registry:
         (every, cuda, 256, 64, 16, 4, 1), (with_fp64, cpu, 256, 32, 16, 4, 1)])
     # dK/dV: block_n is the program's key tile, block_m the query tile it loops over.
     bwd_notes = "FA3-style backward: wgmma, TMA ring, dQ by atomics"
-    configs += [_gluon_config(Family.BWD_DQ_DK_DV, 64, 64, 128, 8, 3, Pipeline.GLUON, bwd_notes),
+    ws_bwd = "FA3-style warp-specialized backward: loader warp, dQ atomics in writer warps"
+    configs += [_gluon_config(Family.BWD_DQ_DK_DV, 64, 64, 128, 8, 3, Pipeline.GLUON_WS, ws_bwd),
                 _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 2, Pipeline.GLUON, bwd_notes),
                 # D=256: 64 keys (dK and dV take 128 registers a thread), dQ in two halves.
                 _gluon_config(Family.BWD_DQ_DK_DV, 256, 64, 64, 8, 2, Pipeline.GLUON, bwd_notes)]

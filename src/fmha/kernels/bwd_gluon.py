@@ -37,6 +37,11 @@ from . import launch_cache
 from .gluon_common import acc_layout, descriptor, descriptor_type, fast_descriptor, tma_aligned
 
 LOG2E = gl.constexpr(1.4426950408889634)
+# Warp-specialized variant: 8 compute warps + 1 loader warp + 2 writer warps, padded to 12
+# warps, start at 168 registers (12 * 32 * 168 < 64K); the workers drop to WORKER_REGS and
+# the compute warpgroups take 240. Every worker warp of the padded warpgroup must fit that
+# budget: 256 * 240 + 128 * 24 is the whole 64512 (a worker asking for more would wait forever).
+WORKER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
@@ -88,6 +93,102 @@ def _red_add_v2(ptrs, values, mask):
 
 
 @gluon.jit
+def _red_add_v4(ptrs, values, mask):
+    """`*ptrs += values` (fp32) where mask != 0, one `red.global.add.v4.f32` per four
+    consecutive elements (sm_90): $4 the first element's address, {$8..$11} the values, $12
+    the mask. The caller guarantees 16-byte aligned quads."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        setp.ne.b32 p, $12, 0;
+        @p red.relaxed.gpu.global.add.v4.f32 [$4], {$8, $9, $10, $11};
+        mov.b32 $0, 0;
+        mov.b32 $1, 0;
+        mov.b32 $2, 0;
+        mov.b32 $3, 0;
+        }""",
+        "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r", [ptrs, values.to(gl.int32, bitcast=True), mask], dtype=gl.int32,
+        is_pure=False, pack=4)
+
+
+@gluon.jit
+def _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+    """(b, KV head, first query head, first key, first query tile, query tiles per head) of
+    this program. Causal rows i see keys j <= i + diag: earlier query tiles are skipped."""
+    num_n = gl.cdiv(seqlen_k, BLOCK_N)
+    pid = gl.program_id(0)
+    bh = pid // num_n
+    n0 = (pid % num_n) * BLOCK_N
+    b = bh // nheads_k
+    hk = bh % nheads_k
+    m_start = 0
+    if CAUSAL:
+        m_start = gl.maximum(n0 - diag, 0) // BLOCK_M
+    n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_start, 0)
+    return b, hk, hk * group, n0, m_start, n_m
+
+
+@gluon.jit
+def _lse_row(lse, lse_smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q, stride_lb, stride_lh, stride_lm,
+             st_layout: gl.constexpr, STATS_TMA: gl.constexpr, BLOCK_M: gl.constexpr):
+    """LSE*log2(e) of the query tile as a [1, BLOCK_M] row of the S^T layout. Queries past the
+    end get +inf (P = 0)."""
+    if STATS_TMA:  # from shared memory (broadcast reads), not 16 global loads per thread
+        mbarrier.wait(stat_ready.index(stage), phase)
+        lse2 = lse_smem.index(stage).load(st_layout) * LOG2E
+        if m0 + BLOCK_M > seqlen_q:  # the TMA zero-filled the rows past the end
+            lse2 = gl.where(queries[None, :] < seqlen_q, lse2, float("inf"))
+    else:
+        lse2 = gl.load(lse + b.to(gl.int64) * stride_lb + h * stride_lh + queries * stride_lm,
+                       mask=queries < seqlen_q, other=float("inf"))[None, :] * LOG2E
+    return lse2
+
+
+@gluon.jit
+def _delta_row(delta, delta_smem, stage, b, h, queries, seqlen_q, stride_deb, stride_deh, stride_dem,
+               st_layout: gl.constexpr, STATS_TMA: gl.constexpr):
+    """delta of the query tile as a [1, BLOCK_M] row of the S^T layout (0 past the end; with
+    STATS_TMA after `_lse_row` waited for the stage's statistics)."""
+    if STATS_TMA:
+        delta_row = delta_smem.index(stage).load(st_layout)
+    else:
+        delta_row = gl.load(delta + b.to(gl.int64) * stride_deb + h * stride_deh + queries * stride_dem,
+                            mask=queries < seqlen_q, other=0.0)[None, :]
+    return delta_row
+
+
+@gluon.jit
+def _probs(st, lse2, keys, queries, n0, m0, seqlen_k, diag, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """P^T from the in-flight S^T product (issued before dP^T, which may still run); masked
+    keys give P = 0."""
+    st = warpgroup_mma_wait(1, deps=(st,))
+    pt = gl.exp2(st * qk_scale - lse2)
+    need_mask = n0 + BLOCK_N > seqlen_k
+    if CAUSAL:
+        need_mask = need_mask | (m0 + diag < n0 + BLOCK_N - 1)
+    if need_mask:
+        ok = keys[:, None] < seqlen_k
+        if CAUSAL:
+            ok = ok & (keys[:, None] <= queries[None, :] + diag)
+        pt = gl.where(ok, pt, 0.0)
+    return pt
+
+
+@gluon.jit
+def _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                stride_dvb, stride_dvh, stride_dvn, kv_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr):
+    kv_rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    kv_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    kv_ok = (kv_rows < seqlen_k)[:, None]
+    gl.store(dk_ptr + b.to(gl.int64) * stride_dkb + hk * stride_dkh + kv_rows[:, None] * stride_dkn
+             + kv_cols[None, :], dk.to(dk_ptr.dtype.element_ty), mask=kv_ok)
+    gl.store(dv_ptr + b.to(gl.int64) * stride_dvb + hk * stride_dvh + kv_rows[:, None] * stride_dvn
+             + kv_cols[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_ok)
+
+
+@gluon.jit
 def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr, dv_ptr,
                     stride_lb, stride_lh, stride_lm,
                     stride_deb, stride_deh, stride_dem,
@@ -110,18 +211,7 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr,
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
 
-    num_n = gl.cdiv(seqlen_k, BLOCK_N)
-    pid = gl.program_id(0)
-    bh = pid // num_n
-    n0 = (pid % num_n) * BLOCK_N
-    b = bh // nheads_k
-    hk = bh % nheads_k
-    hq0 = hk * group
-    # Query tiles that see this key tile: causal rows i see keys j <= i + diag.
-    m_start = 0
-    if CAUSAL:
-        m_start = gl.maximum(n0 - diag, 0) // BLOCK_M
-    n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_start, 0)
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
     total = group * n_m
 
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -169,31 +259,11 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr,
         st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-        # LSE*log2(e) and delta as [1, BLOCK_M] rows of the S^T layout. Queries past the end:
-        # LSE +inf gives P = 0 (and delta 0).
-        if STATS_TMA:  # from shared memory (broadcast reads), not 16 global loads per thread
-            mbarrier.wait(stat_ready.index(stage), (it // STAGES) & 1)
-            lse2 = lse_smem.index(stage).load(st_layout) * LOG2E
-            delta_row = delta_smem.index(stage).load(st_layout)
-            if m0 + BLOCK_M > seqlen_q:  # the TMA zero-filled the rows past the end
-                lse2 = gl.where(queries[None, :] < seqlen_q, lse2, float("inf"))
-        else:
-            q_ok = queries < seqlen_q
-            b64 = b.to(gl.int64)
-            lse2 = gl.load(lse + b64 * stride_lb + h * stride_lh + queries * stride_lm, mask=q_ok,
-                           other=float("inf"))[None, :] * LOG2E
-            delta_row = gl.load(delta + b64 * stride_deb + h * stride_deh + queries * stride_dem, mask=q_ok,
-                            other=0.0)[None, :]
-        st = warpgroup_mma_wait(1, deps=(st,))
-        pt = gl.exp2(st * qk_scale - lse2)
-        need_mask = n0 + BLOCK_N > seqlen_k
-        if CAUSAL:
-            need_mask = need_mask | (m0 + diag < n0 + BLOCK_N - 1)
-        if need_mask:
-            ok = keys[:, None] < seqlen_k
-            if CAUSAL:
-                ok = ok & (keys[:, None] <= queries[None, :] + diag)
-            pt = gl.where(ok, pt, 0.0)
+        lse2 = _lse_row(lse, lse_smem, stat_ready, stage, (it // STAGES) & 1, b, h, queries, m0, seqlen_q,
+                        stride_lb, stride_lh, stride_lm, st_layout, STATS_TMA, BLOCK_M)
+        delta_row = _delta_row(delta, delta_smem, stage, b, h, queries, seqlen_q, stride_deb, stride_deh,
+                               stride_dem, st_layout, STATS_TMA)
+        pt = _probs(st, lse2, keys, queries, n0, m0, seqlen_k, diag, qk_scale, CAUSAL, BLOCK_N)
         dpt = warpgroup_mma_wait(0, deps=(dpt,))
         dst = pt * (dpt - delta_row)
         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
@@ -223,13 +293,190 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr,
             else:
                 gl.atomic_add(dq_base + c * DQ_COLS, dq, mask=(dq_rows < seqlen_q)[:, None], sem="relaxed")
 
-    kv_rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
-    kv_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    kv_ok = (kv_rows < seqlen_k)[:, None]
-    gl.store(dk_ptr + b.to(gl.int64) * stride_dkb + hk * stride_dkh + kv_rows[:, None] * stride_dkn
-             + kv_cols[None, :], (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_ok)
-    gl.store(dv_ptr + b.to(gl.int64) * stride_dvb + hk * stride_dvh + kv_rows[:, None] * stride_dvn
-             + kv_cols[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_ok)
+    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+
+# ----------------------------------------------------------------------------------------
+# Warp-specialized variant (pipeline `gluon_ws`, D 64/128): the same tile and products, with
+# the TMA loads in a producer warp and the dQ atomics in a writer partition, so the two
+# wgmma warpgroups neither issue copies nor wait on the atomics' memory pipe (the ncu
+# profile of the kernel above: L1TEX and barrier stalls, tensor pipe 42% busy). The compute
+# partition hands dQ over in shared memory (DQ_BUFS buffers); the writer adds it to dq_acc
+# with `red.global.add.v4.f32`.
+
+@gluon.jit
+def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem.reshape(k_desc.block_type.shape))
+    tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem.reshape(v_desc.block_type.shape))
+    for it in range(group * n_m):
+        # A fresh mbarrier counts as having completed the phase before phase 0.
+        mbarrier.wait(empty.index(it % STAGES), ((it // STAGES) & 1) ^ 1)
+        _load_tile(q_desc, do_desc, lse, delta, q_smem, do_smem, lse_smem, delta_smem, ready, stat_ready, it,
+                   m_start, n_m, hq0, b, BLOCK_M, STAGES, STATS_TMA)
+
+
+@gluon.jit
+def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr):
+    """Adds each handed-over dQ tile to dq_acc in blocks of 8 rows x 32 columns (one swizzle
+    atom of the fp32 buffer: 8 rows of 128 bytes), one quad of consecutive columns a thread
+    (one v4 reduction). The worker warps run on 24 registers (the compute warpgroups take the
+    rest), so a step holds no more than one quad a thread."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    ROWS: gl.constexpr = 8
+    COLS: gl.constexpr = 32
+    gl.static_assert(gl.num_warps() == 2, "a block of 8 x 32 fp32 is one quad per thread of 2 warps")
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [2, 1], [1, 0])
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    block_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    offsets = block_rows[:, None] * stride_dqm + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))[None, :]
+    for it in range(group * n_m):
+        buf = it % DQ_BUFS
+        h = hq0 + it // n_m
+        m0 = (m_start + it % n_m) * BLOCK_M
+        tile = dq_ptr + b.to(gl.int64) * stride_dqb + h * stride_dqh + m0.to(gl.int64) * stride_dqm
+        mbarrier.wait(dq_full.index(buf), (it // DQ_BUFS) & 1)
+        for r in gl.static_range(0, BLOCK_M, ROWS):
+            in_range = (m0 + r + block_rows < seqlen_q).to(gl.int32)[:, None]
+            for c in gl.static_range(0, HEAD_DIM, COLS):
+                dq = dq_smem.index(buf).slice(r, ROWS, dim=0).slice(c, COLS, dim=1).load(layout)
+                _red_add_v4(tile + (r * stride_dqm + c) + offsets, dq, in_range)
+        gl.thread_barrier()  # both warps have read the buffer
+        mbarrier.arrive(dq_empty.index(buf), count=1)
+
+
+@gluon.jit
+def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
+                DQ_COLS: gl.constexpr, DKDV_FIRST: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
+    (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+     qk_scale, scale) = out_args
+    dtype: gl.constexpr = q_desc.dtype
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    st_layout: gl.constexpr = acc_layout(BLOCK_N, BLOCK_M, NUM_WARPS)  # S^T, dP^T: keys x queries
+    kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, NUM_WARPS)  # dK, dV
+    dq_layout: gl.constexpr = acc_layout(BLOCK_M, DQ_COLS, NUM_WARPS)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+    ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_smem_layout)
+
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    mbarrier.wait(kv_bar, 0)
+    for it in range(group * n_m):
+        stage = it % STAGES
+        phase = (it // STAGES) & 1
+        h = hq0 + it // n_m
+        m0 = (m_start + it % n_m) * BLOCK_M
+        q_tile = q_smem.index(stage)
+        do_tile = do_smem.index(stage)
+        mbarrier.wait(ready.index(stage), phase)
+        st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+        lse2 = _lse_row(lse, lse_smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q, stride_lb, stride_lh,
+                        stride_lm, st_layout, STATS_TMA, BLOCK_M)
+        pt = _probs(st, lse2, keys, queries, n0, m0, seqlen_k, diag, qk_scale, CAUSAL, BLOCK_N)
+        # delta after P: its registers are not held while S^T is awaited.
+        delta_row = _delta_row(delta, delta_smem, stage, b, h, queries, seqlen_q, stride_deb, stride_deh,
+                               stride_dem, st_layout, STATS_TMA)
+        dpt = warpgroup_mma_wait(0, deps=(dpt,))
+        dst = pt * (dpt - delta_row)
+        dst16 = dst.to(dtype)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(dst16, a_layout), q_tile, dk, is_async=True)
+        ds_smem.store(dst16)
+        fence_async_shared()
+        gl.thread_barrier()  # dS^T complete in shared memory (both warpgroups' key rows)
+        buf = it % DQ_BUFS
+        if DKDV_FIRST:  # their register operands P^T, dS^T die before dQ's accumulator lives
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        for c in gl.static_range(HEAD_DIM // DQ_COLS):
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(c * DQ_COLS, DQ_COLS, dim=1), dq_zero,
+                               use_acc=False, is_async=True)
+            if c == 0:
+                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+                mbarrier.wait(dq_empty.index(buf), ((it // DQ_BUFS) & 1) ^ 1)
+            else:
+                dq = warpgroup_mma_wait(0, deps=(dq,))
+            dq_smem.index(buf).slice(c * DQ_COLS, DQ_COLS, dim=1).store(dq)
+        gl.thread_barrier()  # dQ stored by every warp; every product reading Q, dO and dS is done
+        mbarrier.arrive(dq_full.index(buf), count=1)
+        mbarrier.arrive(empty.index(stage), count=1)
+    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+
+
+@gluon.jit
+def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr, dv_ptr,
+                       stride_lb, stride_lh, stride_lm,
+                       stride_deb, stride_deh, stride_dem,
+                       stride_dqb, stride_dqh, stride_dqm,
+                       stride_dkb, stride_dkh, stride_dkn,
+                       stride_dvb, stride_dvh, stride_dvn,
+                       seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale,
+                       CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
+                       DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DKDV_FIRST: gl.constexpr):
+    """Arguments as bwd_dkdv_kernel's (dq_acc 16-byte aligned, strides multiples of 4).
+    DQ_BUFS: dQ hand-over buffers in shared memory."""
+    dtype: gl.constexpr = q_desc.dtype
+    kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+    stat_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM], dq_smem_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_smem_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_smem_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    stat_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(stat_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(DQ_BUFS):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+
+    args = (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, stride_dqb, stride_dqh, stride_dqm,
+            seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+            dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty)
+    lse_strides = (stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem)
+    out_args = (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                qk_scale, scale)
+    gl.warp_specialize([
+        (_ws_compute, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
+                       DQ_BUFS, DQ_COLS, DKDV_FIRST)),
+        (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS)),
+        (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS)),
+    ], [1, 2], [WORKER_REGS, WORKER_REGS])
 
 
 def dq_columns(head_dim: int) -> int:
@@ -237,27 +484,58 @@ def dq_columns(head_dim: int) -> int:
     return min(head_dim, 128)
 
 
+# The warp-specialized variant's dQ hand-over buffers.
+WS_DQ_BUFS = 2
+WS_DQ_COLS: dict[int, int] = {}  # head dim -> dQ columns per product (default: all)
+WS_DKDV_FIRST = False
+
+
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_bottom_right: bool,
-                scale: float, block_m: int, block_n: int, num_stages: int, num_warps: int = 8) -> None:
-    """(B, H, S, D) views; lse/delta (B, Hq, Sq) fp32; dq_acc fp32 (B, Hq, Sq, D) view, zeroed."""
+                scale: float, block_m: int, block_n: int, num_stages: int, num_warps: int = 8,
+                warp_specialized: bool = False) -> None:
+    """(B, H, S, D) views; lse/delta (B, Hq, Sq) fp32; dq_acc fp32 (B, Hq, Sq, D) view, zeroed
+    (16-byte aligned rows for the warp-specialized kernel: fmha allocates it so)."""
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
     grid = (triton.cdiv(seqlen_k, block_n) * batch * nheads_k,)
     # LSE/delta by TMA needs 16-byte aligned bases and row strides (Sq % 4 == 0 when contiguous).
     stats_tma = tma_aligned(lse, delta)
+    args = (descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m),
+            _stats_descriptor(lse, block_m) if stats_tma else lse,
+            _stats_descriptor(delta, block_m) if stats_tma else delta,
+            dq_acc, dk, dv, *lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3],
+            *dv.stride()[:3],
+            seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale)
+    if warp_specialized:
+        if not dq_quads_aligned(dq_acc):
+            raise ValueError("dq_acc: the warp-specialized dK/dV kernel adds dQ in 16-byte quads; "
+                             f"got data_ptr % 16 = {dq_acc.data_ptr() % 16}, strides {dq_acc.stride()}")
+        launch_cache.launch(bwd_dkdv_ws_kernel, grid, *args,
+            **_ws_constexprs(causal, block_m, block_n, head_dim, num_stages, stats_tma), **_WS_OPTIONS)
+        return
     # dQ pairs 8-byte aligned: the kernel assumes column stride 1; the other strides even.
     dq_v2 = dq_acc.data_ptr() % 8 == 0 and all(s % 2 == 0 for s in dq_acc.stride()[:3])
-    launch_cache.launch(bwd_dkdv_kernel, grid,
-        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m),
-        _stats_descriptor(lse, block_m) if stats_tma else lse,
-        _stats_descriptor(delta, block_m) if stats_tma else delta,
-        dq_acc, dk, dv, *lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3],
-        *dv.stride()[:3],
-        seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale,
+    launch_cache.launch(bwd_dkdv_kernel, grid, *args,
         CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
         STATS_TMA=stats_tma, DQ_V2=dq_v2, DQ_COLS=dq_columns(head_dim), num_warps=num_warps,
     )
+
+
+def dq_quads_aligned(dq_acc) -> bool:
+    """dq_acc rows addressable as 16-byte quads (what the warp-specialized writer needs)."""
+    return (dq_acc.stride(-1) == 1 and dq_acc.data_ptr() % 16 == 0
+            and all(s % 4 == 0 for s in dq_acc.stride()[:3]))
+
+
+# See WORKER_REGS.
+_WS_OPTIONS = {"num_warps": 8, "maxnreg": 168}
+
+
+def _ws_constexprs(causal, block_m, block_n, head_dim, num_stages, stats_tma) -> dict:
+    return dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
+                STATS_TMA=stats_tma, DQ_BUFS=WS_DQ_BUFS, DQ_COLS=WS_DQ_COLS.get(head_dim, head_dim),
+                DKDV_FIRST=WS_DKDV_FIRST)
 
 
 @functools.cache
@@ -272,8 +550,8 @@ def _stats_descriptor(t, block_m: int):
 
 
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
-                 causal: bool, stats_tma: bool = True, dq_v2: bool = True, num_warps: int = 8
-                 ) -> tuple[dict, dict, dict]:
+                 causal: bool, stats_tma: bool = True, dq_v2: bool = True, num_warps: int = 8,
+                 warp_specialized: bool = False) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `bwd_dkdv_kernel` as `launch_dkdv` calls it (with
     TMA-aligned LSE/delta and an 8-byte aligned dq_acc unless told otherwise)."""
     def desc(rows):
@@ -283,9 +561,14 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
     types = {"q_desc": desc(block_m), "k_desc": desc(block_n), "v_desc": desc(block_n),
              "do_desc": desc(block_m), "lse": stats, "delta": stats, "dq_ptr": "*fp32",
              "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}", "qk_scale": "fp32", "scale": "fp32"}
-    constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-                      STATS_TMA=stats_tma, DQ_V2=dq_v2, DQ_COLS=dq_columns(head_dim))
+    if warp_specialized:
+        kernel, options = bwd_dkdv_ws_kernel, dict(_WS_OPTIONS)
+        constexprs = _ws_constexprs(causal, block_m, block_n, head_dim, num_stages, stats_tma)
+    else:
+        kernel, options = bwd_dkdv_kernel, {"num_warps": num_warps}
+        constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
+                          STATS_TMA=stats_tma, DQ_V2=dq_v2, DQ_COLS=dq_columns(head_dim))
     # In the kernel's argument order; the other arguments are strides and sizes (i32).
-    signature = {name: types.get(name, "i32") for name in bwd_dkdv_kernel.arg_names if name not in constexprs}
+    signature = {name: types.get(name, "i32") for name in kernel.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return signature, constexprs, {"num_warps": num_warps}
+    return signature, constexprs, options
