@@ -13,7 +13,8 @@ D 64/128, bf16, causal and not, plus GQA 4x32/8 at 8192. Contenders alternate pe
 --variants d64:m64n64w4s3,...: more contenders, `fmha_<variant>`: the Gluon dK/dV config of
     that head dim with this tile (block_m, block_n, warps, stages), the rest of the registry as is;
     a third field names the pipeline (d128:m64n128w8s2:gluon, the kernel without warp specialization),
-    a fourth the warp-specialized kernel's dQ columns per product (d128:m64n128w8s2:gluon_ws:dq64).
+    a fourth changes the warp-specialized kernel's shape (`bwd_gluon.WS_SHAPES`), e.g.
+    d128:m64n128w8s2:gluon_ws:split=1+pingpong=0+dq_cols=64.
 """
 
 import json
@@ -35,7 +36,7 @@ from fmha.dispatcher import Dispatcher
 # "fmha_ldg_stats": the Gluon dK/dV with LSE/delta read by per-thread loads instead of TMA
 # (its fallback for unaligned LSE), to measure what the TMA path gains in the same run.
 STATS_VARIANTS = {"fmha": True, "fmha_ldg_stats": False}
-DEFAULT_DQ_COLS = None  # the module's, read in main()
+DEFAULT_WS_SHAPES = None  # the module's, read in main()
 
 
 def _stats_tma(on: bool) -> None:
@@ -43,14 +44,14 @@ def _stats_tma(on: bool) -> None:
     bwd_gluon.tma_aligned = gluon_common.tma_aligned if on else (lambda *tensors: False)
 
 
-DQ_COLS = {}  # contender -> {head_dim: dQ columns} of the warp-specialized kernel
+WS_SHAPES = {}  # contender -> bwd_gluon.WS_SHAPES while it runs
 
 
 def _setup(name: str) -> None:
     """Module switches of contender `name` (LSE/delta by TMA, dQ columns), for its calls."""
     from fmha.kernels import bwd_gluon
     _stats_tma(STATS_VARIANTS.get(name, True))
-    bwd_gluon.WS_DQ_COLS = DQ_COLS.get(name, DEFAULT_DQ_COLS)
+    bwd_gluon.WS_SHAPES = WS_SHAPES.get(name, DEFAULT_WS_SHAPES)
 
 
 def _variant_dispatcher(spec: str) -> Dispatcher:
@@ -63,7 +64,9 @@ def _variant_dispatcher(spec: str) -> Dispatcher:
     if rest:
         changes["pipeline"] = Pipeline(rest[0])
     if len(rest) > 1:
-        DQ_COLS[f"fmha_{spec}"] = {**DEFAULT_DQ_COLS, int(head_dim[1:]): int(rest[1][2:])}
+        d = int(head_dim[1:])
+        shape = {**DEFAULT_WS_SHAPES[d], **{k: int(v) for k, v in (kv.split("=") for kv in rest[1].split("+"))}}
+        WS_SHAPES[f"fmha_{spec}"] = {**DEFAULT_WS_SHAPES, d: shape}
     configs = []
     for c in default_registry():
         if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon and c.signature.head_dims == (
@@ -79,9 +82,9 @@ TRITON_BWD = Dispatcher(Registry([c for c in default_registry()
 
 
 def main() -> int:
-    global DEFAULT_DQ_COLS
+    global DEFAULT_WS_SHAPES
     from fmha.kernels import bwd_gluon
-    DEFAULT_DQ_COLS = dict(bwd_gluon.WS_DQ_COLS)
+    DEFAULT_WS_SHAPES = {d: dict(shape) for d, shape in bwd_gluon.WS_SHAPES.items()}
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
     quick = "--quick" in sys.argv
     out_dir = Path(os.environ.get("OUT", "out"))
