@@ -14,7 +14,7 @@ D 64/128, bf16, causal and not, plus GQA 4x32/8 at 8192. Contenders alternate pe
     that head dim with this tile (block_m, block_n, warps, stages), the rest of the registry as is;
     a third field names the pipeline (d128:m64n128w8s2:gluon, the kernel without warp specialization),
     a fourth changes the warp-specialized kernel's shape (`bwd_gluon.WS_SHAPES`), e.g.
-    d128:m64n128w8s2:gluon_ws:split=1+pingpong=0+dq_cols=64.
+    d128:m64n128w8s2:gluon_ws:dq_bufs=1+dq_cols=64.
 """
 
 import json

@@ -42,7 +42,6 @@ LOG2E = gl.constexpr(1.4426950408889634)
 # the compute warpgroups take 240. Every worker warp of the padded warpgroup must fit that
 # budget: 256 * 240 + 128 * 24 is the whole 64512 (a worker asking for more would wait forever).
 WORKER_REGS = gl.constexpr(24)
-COMPUTE_REGS = gl.constexpr(240)  # of the second compute warpgroup with SPLIT (4 + 4 + 1 + 2 warps)
 
 
 @gluon.jit
@@ -301,22 +300,17 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr,
 # Warp-specialized variant (pipeline `gluon_ws`): the same tile and products, with the TMA
 # loads in a loader warp and the dQ atomics in two writer warps, so the wgmma warpgroups
 # neither issue copies nor wait on the atomics' memory pipe. The compute warps hand dQ over
-# in shared memory; the writer adds it to dq_acc with `red.global.add.v4.f32`.
-#
-# SPLIT=False: one 8-warp compute partition (two warpgroups over the 128 keys, in lockstep
-# at the dS^T barrier, as in bwd_dkdv_kernel). SPLIT=True: each warpgroup is its own
-# partition with its own 64 keys, its own dS^T and its own partial dQ (the writer sums the
-# two before its reduction), so the warpgroups need not wait for each other: one's softmax
-# can run under the other's products (with PINGPONG they take turns issuing S^T and dP^T,
-# as in the forward).
+# in shared memory; the writer adds it to dq_acc with `red.global.add.v4.f32`. One 8-warp
+# compute partition: two warpgroups over the 128 keys, in lockstep at the dS^T barrier as in
+# bwd_dkdv_kernel (separate partitions per warpgroup, each with its own partial dQ, measured
+# slower: docs/performance.md, attempt 23).
 
 @gluon.jit
 def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
-               SPLIT: gl.constexpr):
+               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, turn) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
     b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem.reshape(k_desc.block_type.shape))
@@ -330,18 +324,16 @@ def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
 
 @gluon.jit
 def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
-                  SPLIT: gl.constexpr):
-    """Adds each handed-over dQ tile (with SPLIT the sum of the two warpgroups' partial tiles)
-    to dq_acc in blocks of 8 rows x 32 columns (one swizzle atom of the fp32 buffer: 8 rows of
-    128 bytes), one quad of consecutive columns a thread (one v4 reduction). The worker warps
-    run on 24 registers, so a step holds little more than one quad a thread."""
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr):
+    """Adds each handed-over dQ tile to dq_acc in blocks of 8 rows x 32 columns (one swizzle
+    atom of the fp32 buffer: 8 rows of 128 bytes), one quad of consecutive columns a thread
+    (one v4 reduction). The worker warps run on 24 registers, so a step holds little more
+    than one quad a thread."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, turn) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
     ROWS: gl.constexpr = 8
     COLS: gl.constexpr = 32
-    PARTS: gl.constexpr = 2 if SPLIT else 1
     gl.static_assert(gl.num_warps() == 2, "a block of 8 x 32 fp32 is one quad per thread of 2 warps")
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [2, 1], [1, 0])
     b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
@@ -356,50 +348,36 @@ def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl
         for r in gl.static_range(0, BLOCK_M, ROWS):
             in_range = (m0 + r + block_rows < seqlen_q).to(gl.int32)[:, None]
             for c in gl.static_range(0, HEAD_DIM, COLS):
-                dq = dq_smem.index(buf * PARTS).slice(r, ROWS, dim=0).slice(c, COLS, dim=1).load(layout)
-                if SPLIT:
-                    dq += dq_smem.index(buf * PARTS + 1).slice(r, ROWS, dim=0).slice(c, COLS, dim=1).load(layout)
+                dq = dq_smem.index(buf).slice(r, ROWS, dim=0).slice(c, COLS, dim=1).load(layout)
                 _red_add_v4(tile + (r * stride_dqm + c) + offsets, dq, in_range)
         gl.thread_barrier()  # both warps have read the buffer
         mbarrier.arrive(dq_empty.index(buf), count=1)
 
 
 @gluon.jit
-def _ws_compute(args, lse_strides, out_args, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
-                DQ_BUFS: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr, DQ_COLS: gl.constexpr):
-    """The products of the partition's keys: all BLOCK_N (8 warps), or with SPLIT warpgroup
-    WG's BLOCK_N // 2 (4 warps)."""
+def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
+                DQ_COLS: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, turn) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
     dtype: gl.constexpr = q_desc.dtype
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    PARTS: gl.constexpr = 2 if SPLIT else 1
-    KEYS: gl.constexpr = BLOCK_N // PARTS  # this partition's keys
-    st_layout: gl.constexpr = acc_layout(KEYS, BLOCK_M, NUM_WARPS)  # S^T, dP^T: keys x queries
-    kv_layout: gl.constexpr = acc_layout(KEYS, HEAD_DIM, NUM_WARPS)  # dK, dV
+    st_layout: gl.constexpr = acc_layout(BLOCK_N, BLOCK_M, NUM_WARPS)  # S^T, dP^T: keys x queries
+    kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, NUM_WARPS)  # dK, dV
     dq_layout: gl.constexpr = acc_layout(BLOCK_M, DQ_COLS, NUM_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
-    if SPLIT:
-        k_part = k_smem.slice(WG * KEYS, KEYS, dim=0)
-        v_part = v_smem.slice(WG * KEYS, KEYS, dim=0)
-    else:
-        k_part = k_smem
-        v_part = v_smem
-    ds_part = ds_smem.index(WG)
 
     b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
-    key0 = n0 + WG * KEYS
-    keys = key0 + gl.arange(0, KEYS, layout=row_layout)
-    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
-    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
-    st_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)
+    keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
     mbarrier.wait(kv_bar, 0)
     for it in range(group * n_m):
@@ -410,16 +388,12 @@ def _ws_compute(args, lse_strides, out_args, WG: gl.constexpr, CAUSAL: gl.conste
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
         mbarrier.wait(ready.index(stage), phase)
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), it & 1)
-        st = warpgroup_mma(k_part, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_part, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
+        st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
         lse2 = _lse_row(lse, lse_smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q, stride_lb, stride_lh,
                         stride_lm, st_layout, STATS_TMA, BLOCK_M)
-        pt = _probs(st, lse2, keys, queries, key0, m0, seqlen_k, diag, qk_scale, CAUSAL, KEYS)
+        pt = _probs(st, lse2, keys, queries, n0, m0, seqlen_k, diag, qk_scale, CAUSAL, BLOCK_N)
         # delta after P: its registers are not held while S^T is awaited.
         delta_row = _delta_row(delta, delta_smem, stage, b, h, queries, seqlen_q, stride_deb, stride_deh,
                                stride_dem, st_layout, STATS_TMA)
@@ -428,13 +402,13 @@ def _ws_compute(args, lse_strides, out_args, WG: gl.constexpr, CAUSAL: gl.conste
         dst16 = dst.to(dtype)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv, is_async=True)
         dk = warpgroup_mma(gl.convert_layout(dst16, a_layout), q_tile, dk, is_async=True)
-        ds_part.store(dst16)
+        ds_smem.store(dst16)
         fence_async_shared()
-        gl.thread_barrier()  # the partition's dS^T complete in shared memory
+        gl.thread_barrier()  # dS^T complete in shared memory (both warpgroups' key rows)
         buf = it % DQ_BUFS
-        dq_buf = dq_smem.index(buf * PARTS + WG)
+        dq_buf = dq_smem.index(buf)
         for c in gl.static_range(HEAD_DIM // DQ_COLS):
-            dq = warpgroup_mma(ds_part.permute((1, 0)), k_part.slice(c * DQ_COLS, DQ_COLS, dim=1), dq_zero,
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(c * DQ_COLS, DQ_COLS, dim=1), dq_zero,
                                use_acc=False, is_async=True)
             if c == 0:
                 dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
@@ -445,24 +419,8 @@ def _ws_compute(args, lse_strides, out_args, WG: gl.constexpr, CAUSAL: gl.conste
         gl.thread_barrier()  # dQ stored by every warp; every product reading Q, dO and dS is done
         mbarrier.arrive(dq_full.index(buf), count=1)
         mbarrier.arrive(empty.index(stage), count=1)
-    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, key0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
-                stride_dvb, stride_dvh, stride_dvn, kv_layout, KEYS, HEAD_DIM)
-
-
-@gluon.jit
-def _ws_compute1(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
-                 SPLIT: gl.constexpr, PINGPONG: gl.constexpr, DQ_COLS: gl.constexpr):
-    _ws_compute(args, lse_strides, out_args, 1, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS,
-                SPLIT, PINGPONG, DQ_COLS)
-
-
-@gluon.jit
-def _ws_compute0(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
-                 SPLIT: gl.constexpr, PINGPONG: gl.constexpr, DQ_COLS: gl.constexpr):
-    _ws_compute(args, lse_strides, out_args, 0, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS,
-                SPLIT, PINGPONG, DQ_COLS)
+    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
 
 
 @gluon.jit
@@ -475,23 +433,21 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_p
                        seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale,
                        CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
-                       DQ_BUFS: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr, DQ_COLS: gl.constexpr):
+                       DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr):
     """Arguments as bwd_dkdv_kernel's (dq_acc 16-byte aligned, strides multiples of 4).
-    DQ_BUFS: dQ hand-over buffers in shared memory (per compute partition); SPLIT, PINGPONG:
-    see above; DQ_COLS: dQ columns per product."""
+    DQ_BUFS: dQ hand-over buffers in shared memory; DQ_COLS: dQ columns per product."""
     dtype: gl.constexpr = q_desc.dtype
-    PARTS: gl.constexpr = 2 if SPLIT else 1
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // PARTS, BLOCK_M], dtype)
+    ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
     stat_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [PARTS, BLOCK_N // PARTS, BLOCK_M], ds_smem_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS * PARTS, BLOCK_M, HEAD_DIM], dq_smem_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_smem_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM], dq_smem_layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_smem_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_smem_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -500,54 +456,36 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_p
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(stat_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=PARTS)  # every compute partition releases a stage
+        mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(DQ_BUFS):
-        mbarrier.init(dq_full.index(i), count=PARTS)
+        mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
-    mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first (then they alternate)
 
     args = (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, stride_dqb, stride_dqh, stride_dqm,
             seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-            ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, turn)
+            ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty)
     lse_strides = (stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem)
     out_args = (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 qk_scale, scale)
-    # (The constexpr arguments are spelled out per partition: a tuple variable would not keep them constexpr.)
-    if SPLIT:
-        gl.warp_specialize([
-            (_ws_compute0, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
-                            DQ_BUFS, SPLIT, PINGPONG, DQ_COLS)),
-            (_ws_compute1, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
-                            DQ_BUFS, SPLIT, PINGPONG, DQ_COLS)),
-            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, SPLIT)),
-            (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, SPLIT)),
-        ], [4, 1, 2], [COMPUTE_REGS, WORKER_REGS, WORKER_REGS])
-    else:
-        gl.warp_specialize([
-            (_ws_compute0, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
-                            DQ_BUFS, SPLIT, PINGPONG, DQ_COLS)),
-            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, SPLIT)),
-            (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, SPLIT)),
-        ], [1, 2], [WORKER_REGS, WORKER_REGS])
+    gl.warp_specialize([
+        (_ws_compute, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS,
+                       DQ_COLS)),
+        (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS)),
+        (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS)),
+    ], [1, 2], [WORKER_REGS, WORKER_REGS])
 
 def dq_columns(head_dim: int) -> int:
     """Columns of dQ per product (see DQ_COLS)."""
     return min(head_dim, 128)
 
 
-# The warp-specialized kernel's shape per head dim: split warpgroups, ping-pong, dQ hand-over
-# buffers (per compute partition), dQ columns per product. Split at D=128 holds one buffer
-# per warpgroup (2 x 32 KB next to 144 KB of tiles) and forms dQ in 64-column halves (a
-# whole 64 x 128 fp32 dQ on one warpgroup is 64 more registers).
-WS_SHAPES = {64: dict(split=False, pingpong=False, dq_bufs=2, dq_cols=64),
-             128: dict(split=True, pingpong=True, dq_bufs=1, dq_cols=64)}
+# The warp-specialized kernel's shape per head dim: dQ hand-over buffers and dQ columns per
+# product (64-column products measured 3% slower at D=128, attempt 22).
+WS_SHAPES = {64: dict(dq_bufs=2, dq_cols=64), 128: dict(dq_bufs=2, dq_cols=128)}
 
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_bottom_right: bool,
@@ -589,14 +527,12 @@ def dq_quads_aligned(dq_acc) -> bool:
 
 
 def _ws_spec(causal, block_m, block_n, head_dim, num_stages, stats_tma) -> tuple[dict, dict]:
-    """(constexprs, launch options) of the warp-specialized kernel. 12 warps (see WORKER_REGS)
-    start at 168 registers: the launch's num_warps is the default partition's, 8 compute warps
-    or with SPLIT the first warpgroup's 4."""
+    """(constexprs, launch options) of the warp-specialized kernel: the launch's num_warps is
+    the compute partition's 8; with the workers 12 warps start at 168 registers (WORKER_REGS)."""
     shape = WS_SHAPES[head_dim]
     constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-                      STATS_TMA=stats_tma, DQ_BUFS=shape["dq_bufs"], SPLIT=bool(shape["split"]),
-                      PINGPONG=bool(shape["pingpong"]), DQ_COLS=shape["dq_cols"])
-    return constexprs, {"num_warps": 4 if shape["split"] else 8, "maxnreg": 168}
+                      STATS_TMA=stats_tma, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"])
+    return constexprs, {"num_warps": 8, "maxnreg": 168}
 
 
 @functools.cache
