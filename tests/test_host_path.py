@@ -35,15 +35,31 @@ def test_no_grad_eager_call_runs_the_body_directly(rng):
     assert torch.equal(direct, through_op)
 
 
-def test_calls_autograd_needs_keep_the_op(rng):
+def test_calls_autograd_needs_keep_the_op_or_take_the_eager_function(rng):
     q, k, v = _qkv(rng, requires_grad=True)
     assert api._direct(api._fwd_op, (q, k, v)) is api._fwd_op
+    assert api._direct(api._fwd_op, (q, k, v), autograd=api._EagerAttention) == api._EagerAttention.apply
     with torch.no_grad():
-        assert api._direct(api._fwd_op, (q, k, v)) is api._fwd_op._init_fn
+        assert api._direct(api._fwd_op, (q, k, v), autograd=api._EagerAttention) is api._fwd_op._init_fn
     o = fmha.attention(q, k, v, causal=True)
-    assert o.grad_fn is not None
+    assert type(o.grad_fn).__name__ == "_EagerAttentionBackward"
     o.sum().backward()
     assert all(t.grad is not None for t in (q, k, v))
+
+
+def test_eager_autograd_function_matches_the_registered_op(rng):
+    """The same forward and gradients (dq, dk, dv, and the LSE's) as through the custom op's
+    registered autograd, bit for bit: both run the same body and backward."""
+    scalars = (0, 0, "bhsd", 0.3, True, -1, 0, "bottom_right", 0, 0.0, 0.0, 0, 0, False)
+    q, k, v = _qkv(rng, requires_grad=True)
+    do, dlse = torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9)
+    results = []
+    for fn in (api._fwd_op, api._EagerAttention.apply):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        o, lse = fn(*leaves, None, None, None, None, None, None, *scalars)
+        results.append((o, lse, *torch.autograd.grad((o, lse), leaves, (do, dlse))))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_dispatch_modes_and_torch_function_modes_see_the_op(rng):

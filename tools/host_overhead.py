@@ -39,11 +39,22 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
 
 def dense_cases() -> dict:
     api._launch_forward = lambda *a, **k: None  # time the host path only
+    api._launch_dkdv = lambda *a, **k: None
+    no_launch = types.SimpleNamespace(**{name: (lambda *a, **k: None) for name in (
+        "launch_dot_do_o", "launch_delta", "launch_dkdv", "launch_dq", "launch_convert_dq")})
+    api.family_module = lambda name, interpreted=False: no_launch
     q = torch.randn(1, 4, 16, 64, dtype=torch.bfloat16)
+    leaf = q.clone().requires_grad_()
+    out = fmha.attention(leaf, leaf, leaf, causal=True)
+    grad = torch.randn_like(out)
     return {
         "attention(q, k, v, causal=True)": lambda: fmha.attention(q, q, q, causal=True),
         "attention(..., return_lse=True, layout='bshd')": lambda: fmha.attention(
             q, q, q, causal=True, return_lse=True, layout="bshd"),
+        "attention(q, k, v, causal=True), inputs requiring grad": lambda: fmha.attention(
+            leaf, leaf, leaf, causal=True),
+        "backward of it (autograd.grad, retained graph)": lambda: torch.autograd.grad(
+            out, leaf, grad, retain_graph=True),
     }
 
 

@@ -433,20 +433,30 @@ def _(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_slopes, si
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias, dsinks
 
 
-def _direct(op, tensors, *, grad_free: bool = True):
-    """`op` itself when torch's dispatcher has nothing to do for this call, else its Python
+def _direct(op, tensors, *, grad_free: bool = True, autograd: type | None = None):
+    """`op` itself when torch's dispatcher has something to do for this call, else its Python
     body: the custom-op dispatch costs about 70-90 us per call (tools/host_overhead.py),
     which is most of the host path of a small problem. The body is used only in plain eager
-    mode: not while torch.compile traces, no dispatch mode (fake tensors, flop counters) or
-    torch-function mode active, plain tensors on the CPU or a GPU, and (grad_free) nothing
-    that autograd would have to record. Otherwise the registered op runs, as always."""
+    mode: not while torch.compile traces, no dispatch mode (fake tensors, flop counters),
+    torch-function mode or torch.func transform active, plain tensors on the CPU or a GPU.
+    A call autograd has to record (grad_free, grad mode on, an input requiring grad) takes
+    `autograd.apply` where given: a plain torch.autograd.Function around the same body and
+    backward, without the custom op's autograd wrapper (whose argument handling alone cost
+    ~200 us a call at 23 arguments, `torch._library.utils.fill_defaults`). Otherwise the
+    registered op runs."""
     if (torch.compiler.is_compiling() or _python_dispatch._get_current_dispatch_mode() is not None
-            or torch._C._is_torch_function_mode_enabled()):
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._functorch.peek_interpreter_stack() is not None):  # torch.func transforms
         return op
     grad = grad_free and torch.is_grad_enabled()
+    recorded = False
     for t in tensors:
-        if t is not None and (type(t) is not Tensor or (grad and t.requires_grad)):
-            return op
+        if t is not None:
+            if type(t) is not Tensor:
+                return op
+            recorded = recorded or (grad and t.requires_grad)
+    if recorded:
+        return op if autograd is None else autograd.apply
     return op._init_fn
 
 
@@ -472,6 +482,23 @@ def _backward(ctx, grad_o, grad_lse):
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """`_fwd_op` with its registered backward for plain eager autograd calls (`_direct`): the
+    same body, context and backward, recorded by autograd directly."""
+
+    @staticmethod
+    def forward(*args):
+        return _fwd_op._init_fn(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        return _backward(ctx, grad_o, grad_lse)
 
 
 @torch.library.custom_op("fmha::fwd_fp8", mutates_args=())
@@ -685,7 +712,7 @@ def _call(q, k, v, *, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seq
         o, lse = _direct(_fwd_fp8_op, tensors + (q_descale, k_descale, v_descale))(
             *tensors, q_descale, k_descale, v_descale, descale_block_size, out_dtype, *scalars)
     else:
-        o, lse = _direct(_fwd_op, tensors)(*tensors, *scalars)
+        o, lse = _direct(_fwd_op, tensors, autograd=_EagerAttention)(*tensors, *scalars)
     results = [o]
     if return_lse:
         results.append(lse)
