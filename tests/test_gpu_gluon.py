@@ -129,18 +129,15 @@ def test_gluon_backward_bshd_realistic_and_strided_dout(rng):
 
 
 def _backward_dispatcher(pipeline):
-    """The registry with its D 64/128 dK/dV configs (128-key tiles) on `pipeline`: the kernel
-    with or without warp specialization, whichever the registry picks for that head dim."""
-    import dataclasses
-
+    """The registry without the D 64/128 Gluon dK/dV configs of the other pipeline: the
+    kernel with or without warp specialization, whichever the registry puts first."""
     from fmha import Registry, default_registry
-    from fmha.configs import Family, Pipeline
+    from fmha.configs import Family
     from fmha.dispatcher import Dispatcher
 
-    configs = [type(c)(c.signature, dataclasses.replace(c.algorithm, pipeline=Pipeline(pipeline)), notes=c.notes)
-               if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon
-               and c.signature.head_dims in ((64,), (128,)) else c
-               for c in default_registry()]
+    configs = [c for c in default_registry()
+               if not (c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon
+                       and c.signature.head_dims in ((64,), (128,)) and c.algorithm.pipeline.value != pipeline)]
     return Dispatcher(Registry(configs, name=f"gluon-bwd-{pipeline}"))
 
 
