@@ -105,15 +105,22 @@ def test_tma_alignment_detection():
     assert api.problem_of(q, q, q).tma_aligned
 
 
-def test_gluon_kernel_compiles_for_sm90(tmp_path, monkeypatch):
+def _built_for_sm90(config, tmp_path, monkeypatch, dtype="bf16"):
+    """The kernels of `config` compiled ahead of time for sm90 (Triton's ptxas, no GPU),
+    each within the shared-memory limit."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon
-                  and c.signature.head_dims == (64,))
-    results = precompile.build(Registry([config]), "sm90", dtypes=["bf16"], jobs=2, progress=False,
+    results = precompile.build(Registry([config]), "sm90", dtypes=[dtype], jobs=2, progress=False,
                                record_path=tmp_path / "record.json")
     assert [r.status for r in results] == ["built"], results[0].message
-    assert [k.variant for k in results[0].kernels] == ["plain", "causal"]
     assert all(0 < k.shared <= 232448 for k in results[0].kernels)
+    return results[0].kernels
+
+
+def test_gluon_kernel_compiles_for_sm90(tmp_path, monkeypatch):
+    config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon
+                  and c.signature.head_dims == (64,))
+    kernels = _built_for_sm90(config, tmp_path, monkeypatch)
+    assert [k.variant for k in kernels] == ["plain", "causal"]
 
 
 @pytest.mark.parametrize("change,reason", [
@@ -141,35 +148,23 @@ def test_sm90_half_precision_backward_gets_the_gluon_dkdv_kernel(head_dim, pipel
 def test_warp_specialized_backward_compiles_for_sm90(tmp_path, monkeypatch, head_dim):
     """Loader warp, two writer warps and 8 compute warps: 12 warps at 168 registers, the
     workers at 24 (the whole register file when the compute warpgroups take 240)."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     config = next(c for c in default_registry() if c.algorithm.pipeline == Pipeline.GLUON_WS
                   and c.family == Family.BWD_DQ_DK_DV and c.signature.head_dims == (head_dim,))
-    results = precompile.build(Registry([config]), "sm90", dtypes=["bf16"], jobs=2, progress=False,
-                               record_path=tmp_path / "record.json")
-    assert [r.status for r in results] == ["built"], results[0].message
-    assert all(0 < k.shared <= 232448 for k in results[0].kernels)
+    _built_for_sm90(config, tmp_path, monkeypatch)
 
 
 def test_gluon_d256_backward_compiles_for_sm90(tmp_path, monkeypatch):
     """64 keys x 64 queries with dQ formed in two column halves: fits the shared memory."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon
                   and c.family == Family.BWD_DQ_DK_DV and c.signature.head_dims == (256,))
-    results = precompile.build(Registry([config]), "sm90", dtypes=["bf16"], jobs=2, progress=False,
-                               record_path=tmp_path / "record.json")
-    assert [r.status for r in results] == ["built"], results[0].message
-    assert all(0 < k.shared <= 232448 for k in results[0].kernels)
+    _built_for_sm90(config, tmp_path, monkeypatch)
 
 
 def test_gluon_fp8_kernel_compiles_for_sm90(tmp_path, monkeypatch):
     """The fp8 variant (QGMMA, V^T tiles, P in e4m3 from registers) compiles ahead of time."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon
                   and c.signature.dtypes == (DType.FP8_E4M3,) and c.signature.head_dims == (128,))
-    results = precompile.build(Registry([config]), "sm90", dtypes=["fp8_e4m3"], jobs=2, progress=False,
-                               record_path=tmp_path / "record.json")
-    assert [r.status for r in results] == ["built"], results[0].message
-    assert all(0 < k.shared <= 232448 for k in results[0].kernels)
+    _built_for_sm90(config, tmp_path, monkeypatch, dtype="fp8_e4m3")
 
 
 @pytest.mark.parametrize("family,change,message", [
