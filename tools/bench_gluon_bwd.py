@@ -32,15 +32,15 @@ import fmha
 from fmha import Registry, default_registry
 from fmha.configs import Family, Pipeline
 from fmha.dispatcher import Dispatcher
+from fmha.kernels import bwd_gluon, gluon_common
 
 # "fmha_ldg_stats": the Gluon dK/dV with LSE/delta read by per-thread loads instead of TMA
 # (its fallback for unaligned LSE), to measure what the TMA path gains in the same run.
 STATS_VARIANTS = {"fmha": True, "fmha_ldg_stats": False}
-DEFAULT_WS_SHAPES = None  # the module's, read in main()
+DEFAULT_WS_SHAPES = bwd_gluon.WS_SHAPES  # the module's; a variant swaps in a changed copy
 
 
 def _stats_tma(on: bool) -> None:
-    from fmha.kernels import bwd_gluon, gluon_common
     bwd_gluon.tma_aligned = gluon_common.tma_aligned if on else (lambda *tensors: False)
 
 
@@ -48,8 +48,7 @@ WS_SHAPES = {}  # contender -> bwd_gluon.WS_SHAPES while it runs
 
 
 def _setup(name: str) -> None:
-    """Module switches of contender `name` (LSE/delta by TMA, dQ columns), for its calls."""
-    from fmha.kernels import bwd_gluon
+    """Module switches of contender `name` (LSE/delta by TMA, warp-specialized shape), for its calls."""
     _stats_tma(STATS_VARIANTS.get(name, True))
     bwd_gluon.WS_SHAPES = WS_SHAPES.get(name, DEFAULT_WS_SHAPES)
 
@@ -67,11 +66,13 @@ def _variant_dispatcher(spec: str) -> Dispatcher:
         d = int(head_dim[1:])
         shape = {**DEFAULT_WS_SHAPES[d], **{k: int(v) for k, v in (kv.split("=") for kv in rest[1].split("+"))}}
         WS_SHAPES[f"fmha_{spec}"] = {**DEFAULT_WS_SHAPES, d: shape}
-    configs = []
+    configs, replaced = [], False
     for c in default_registry():
         if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon and c.signature.head_dims == (
                 int(head_dim[1:]),):
-            c = type(c)(c.signature, dataclasses.replace(c.algorithm, **changes), notes=c.notes)
+            if replaced:  # the registry's other Gluon dK/dV kernel of this head dim: the variant replaces both
+                continue
+            c, replaced = type(c)(c.signature, dataclasses.replace(c.algorithm, **changes), notes=c.notes), True
         configs.append(c)
     return Dispatcher(Registry(configs, name=f"variant-{spec}"))
 
@@ -82,9 +83,6 @@ TRITON_BWD = Dispatcher(Registry([c for c in default_registry()
 
 
 def main() -> int:
-    global DEFAULT_WS_SHAPES
-    from fmha.kernels import bwd_gluon
-    DEFAULT_WS_SHAPES = {d: dict(shape) for d, shape in bwd_gluon.WS_SHAPES.items()}
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
     quick = "--quick" in sys.argv
     out_dir = Path(os.environ.get("OUT", "out"))
