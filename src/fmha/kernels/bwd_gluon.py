@@ -549,8 +549,9 @@ def _stats_descriptor(t, block_m: int):
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
                  causal: bool, stats_tma: bool = True, dq_v2: bool = True, num_warps: int = 8,
                  warp_specialized: bool = False) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, options) of `bwd_dkdv_kernel` as `launch_dkdv` calls it (with
-    TMA-aligned LSE/delta and an 8-byte aligned dq_acc unless told otherwise)."""
+    """(signature, constexprs, options) of `bwd_dkdv_kernel` (`bwd_dkdv_ws_kernel` when
+    warp_specialized) as `launch_dkdv` calls it (with TMA-aligned LSE/delta and an 8-byte
+    aligned dq_acc unless told otherwise)."""
     def desc(rows):
         return descriptor_type(dtype, rows, head_dim)
 
