@@ -2,6 +2,8 @@
 reasons, TMA alignment detection, and a real sm90 compile of the kernel (Triton ships
 ptxas). Its numerics run on the GPU: tests/test_gpu_gluon.py."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -136,7 +138,7 @@ def test_empty_problems_take_the_triton_backward(change, reason):
     assert "refused" in line and reason in line, line
 
 
-@pytest.mark.parametrize("head_dim,pipeline", [(64, Pipeline.GLUON_WS), (128, Pipeline.GLUON),
+@pytest.mark.parametrize("head_dim,pipeline", [(64, Pipeline.GLUON_WS), (128, Pipeline.GLUON_WS),
                                                (256, Pipeline.GLUON)])
 def test_sm90_half_precision_backward_gets_the_gluon_dkdv_kernel(head_dim, pipeline):
     problem = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, causal=True)
@@ -144,13 +146,22 @@ def test_sm90_half_precision_backward_gets_the_gluon_dkdv_kernel(head_dim, pipel
     assert config.algorithm.pipeline == pipeline and config.signature.head_dims == (head_dim,)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_warp_specialized_backward_compiles_for_sm90(tmp_path, monkeypatch, head_dim):
-    """Loader warp, two writer warps and 8 compute warps: 12 warps at 168 registers, the
-    workers at 24 (the whole register file when the compute warpgroups take 240)."""
-    config = next(c for c in default_registry() if c.algorithm.pipeline == Pipeline.GLUON_WS
+def _ptx(kernel) -> str:
+    return next(Path(kernel.entry).glob("*.ptx")).read_text()
+
+
+@pytest.mark.parametrize("head_dim,pipeline", [(64, Pipeline.GLUON_WS), (128, Pipeline.GLUON_WS),
+                                               (128, Pipeline.GLUON)])
+def test_gluon_backward_compiles_for_sm90_with_dq_by_tma_reduce(tmp_path, monkeypatch, head_dim, pipeline):
+    """Warp-specialized: loader warp, two writer warps and 8 compute warps, 12 warps at 168
+    registers, the workers at 24 (the whole register file when the compute warpgroups take
+    240). Both kernels add dQ by TMA reduce-add, no atomics."""
+    config = next(c for c in default_registry() if c.algorithm.pipeline == pipeline
                   and c.family == Family.BWD_DQ_DK_DV and c.signature.head_dims == (head_dim,))
-    _built_for_sm90(config, tmp_path, monkeypatch)
+    for kernel in _built_for_sm90(config, tmp_path, monkeypatch):
+        ptx = _ptx(kernel)
+        assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
+        assert "red.global" not in ptx and "atom.global" not in ptx
 
 
 def test_gluon_d256_backward_compiles_for_sm90(tmp_path, monkeypatch):

@@ -141,15 +141,22 @@ def _backward_dispatcher(pipeline):
     return Dispatcher(Registry(configs, name=f"gluon-bwd-{pipeline}"))
 
 
+@pytest.mark.parametrize("dq", ["tma", "atomics"])
 @pytest.mark.parametrize("pipeline", ["gluon", "gluon_ws"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
 @pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1533), (1, 2, 2, 700, 77)], ids=lambda s: "x".join(map(str, s)))
-def test_gluon_backward_both_pipelines(rng, pipeline, head_dim, mask, shape):
+def test_gluon_backward_both_pipelines(rng, monkeypatch, dq, pipeline, head_dim, mask, shape):
     """Both dK/dV kernels at D 64/128, whichever the registry picks (test_gluon_backward covers
-    that one at more shapes)."""
+    that one at more shapes), with dQ by TMA reduce-add (the default) and by atomics (what
+    dQ accumulators TMA cannot address get)."""
+    from fmha.kernels import bwd_gluon
+
     from attn_testing import check_backward
 
+    shapes = {p: {d: dict(s) for d, s in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
+    shapes[pipeline][head_dim]["dq_tma"] = int(dq == "tma")
+    monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
     q, k, v, kw = _masked_problem(rng, torch.bfloat16, head_dim, mask, shape)
     with fmha.api.use_dispatcher(_backward_dispatcher(pipeline)):
         line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)

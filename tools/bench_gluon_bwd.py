@@ -5,16 +5,16 @@ Times the backward only (autograd.grad with the graph retained), B=4 H=16, S 409
 D 64/128, bf16, causal and not, plus GQA 4x32/8 at 8192. Contenders alternate per round.
 
     PYTHONPATH=src python tools/bench_gluon_bwd.py [--rounds N] [--quick] [--hdims 64,128]
-                                                   [--no-ldg]   ($OUT/bench_gluon_bwd.json)
+                                                   [--no-ldg] [--no-triton]   ($OUT/bench_gluon_bwd.json)
 
 --hdims: head dims of the B=4 H=16 rows (and of the GQA rows, for head dims >= 128);
---no-ldg: leave out the fmha_ldg_stats contender.
+--no-ldg, --no-triton: leave out the fmha_ldg_stats / fmha_triton contender.
 --shapes B:Hq:Hk:S:D:c,...: these rows instead (c causal, f full), e.g. 4:16:16:4096:256:c.
 --variants d64:m64n64w4s3,...: more contenders, `fmha_<variant>`: the Gluon dK/dV config of
     that head dim with this tile (block_m, block_n, warps, stages), the rest of the registry as is;
     a third field names the pipeline (d128:m64n128w8s2:gluon, the kernel without warp specialization),
-    a fourth changes the warp-specialized kernel's shape (`bwd_gluon.WS_SHAPES`), e.g.
-    d128:m64n128w8s2:gluon_ws:dq_bufs=1+dq_cols=64.
+    a fourth changes that pipeline's kernel shape (`bwd_gluon.SHAPES`), e.g.
+    d128:m64n128w8s2:gluon_ws:dq_bufs=1+dq_cols=64, d128:m64n128w8s2:gluon:dq_tma=0.
 """
 
 import json
@@ -37,20 +37,20 @@ from fmha.kernels import bwd_gluon, gluon_common
 # "fmha_ldg_stats": the Gluon dK/dV with LSE/delta read by per-thread loads instead of TMA
 # (its fallback for unaligned LSE), to measure what the TMA path gains in the same run.
 STATS_VARIANTS = {"fmha": True, "fmha_ldg_stats": False}
-DEFAULT_WS_SHAPES = bwd_gluon.WS_SHAPES  # the module's; a variant swaps in a changed copy
+DEFAULT_SHAPES = bwd_gluon.SHAPES  # the module's; a variant swaps in a changed copy
 
 
 def _stats_tma(on: bool) -> None:
     bwd_gluon.tma_aligned = gluon_common.tma_aligned if on else (lambda *tensors: False)
 
 
-WS_SHAPES = {}  # contender -> bwd_gluon.WS_SHAPES while it runs
+SHAPES = {}  # contender -> bwd_gluon.SHAPES while it runs
 
 
 def _setup(name: str) -> None:
-    """Module switches of contender `name` (LSE/delta by TMA, warp-specialized shape), for its calls."""
+    """Module switches of contender `name` (LSE/delta by TMA, kernel shapes), for its calls."""
     _stats_tma(STATS_VARIANTS.get(name, True))
-    bwd_gluon.WS_SHAPES = WS_SHAPES.get(name, DEFAULT_WS_SHAPES)
+    bwd_gluon.SHAPES = SHAPES.get(name, DEFAULT_SHAPES)
 
 
 def _variant_dispatcher(spec: str) -> Dispatcher:
@@ -63,9 +63,9 @@ def _variant_dispatcher(spec: str) -> Dispatcher:
     if rest:
         changes["pipeline"] = Pipeline(rest[0])
     if len(rest) > 1:
-        d = int(head_dim[1:])
-        shape = {**DEFAULT_WS_SHAPES[d], **{k: int(v) for k, v in (kv.split("=") for kv in rest[1].split("+"))}}
-        WS_SHAPES[f"fmha_{spec}"] = {**DEFAULT_WS_SHAPES, d: shape}
+        d, pipeline = int(head_dim[1:]), rest[0]
+        shape = {**DEFAULT_SHAPES[pipeline][d], **{k: int(v) for k, v in (kv.split("=") for kv in rest[1].split("+"))}}
+        SHAPES[f"fmha_{spec}"] = {**DEFAULT_SHAPES, pipeline: {**DEFAULT_SHAPES[pipeline], d: shape}}
     configs, replaced = [], False
     for c in default_registry():
         if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon and c.signature.head_dims == (
@@ -96,7 +96,8 @@ def main() -> int:
         shapes = [(*map(int, row.split(":")[:5]), row.split(":")[5] == "c")
                   for row in sys.argv[sys.argv.index("--shapes") + 1].split(",")]
     contenders = [n for n in ("fmha", "fmha_ldg_stats", "fmha_triton", "cudnn", "flash")
-                  if not (n == "fmha_ldg_stats" and "--no-ldg" in sys.argv)]
+                  if not (n == "fmha_ldg_stats" and "--no-ldg" in sys.argv)
+                  and not (n == "fmha_triton" and "--no-triton" in sys.argv)]
     variants = {}
     if "--variants" in sys.argv:
         variants = {f"fmha_{v}": _variant_dispatcher(v) for v in sys.argv[sys.argv.index("--variants") + 1].split(",")}
@@ -151,7 +152,7 @@ def main() -> int:
             {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
              "rows": rows}, indent=1))
         del graphs, grads
-    for name in ("fmha", "fmha_triton", "flash"):
+    for name in (n for n in contenders if n != "cudnn"):
         ratios = [r["tflops"][name] / r["tflops"]["cudnn"] for r in rows]
         print(f"geomean {name}/cudnn: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}")
     return 0

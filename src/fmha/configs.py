@@ -35,8 +35,9 @@ class Pipeline(str, Enum):
     """How a kernel is written. `triton`: plain Triton with pointer loads (any strides).
     `gluon_ws`: Gluon for Hopper, warp-specialized (TMA producer warp, two wgmma consumer
     warpgroups), see kernels/fwd_gluon.py (the dK/dV of kernels/bwd_gluon.py: a loader warp,
-    two wgmma warpgroups, two dQ writer warps); `gluon_ws_pingpong`: the same with the consumer
-    warpgroups taking turns on the tensor cores (FlashAttention-3's ping-pong). `gluon`:
+    two wgmma warpgroups, two writer warps issuing dQ's TMA reduce-add); `gluon_ws_pingpong`:
+    the same with the consumer warpgroups taking turns on the tensor cores (FlashAttention-3's
+    ping-pong). `gluon`:
     Gluon for Hopper, TMA + wgmma, software-pipelined without warp specialization
     (kernels/bwd_gluon.py)."""
 

@@ -209,14 +209,15 @@ def default_registry() -> Registry:
     configs += _family_configs(Family.BWD_DOT_DO_O, [
         (every, cuda, 256, 64, 16, 4, 1), (with_fp64, cpu, 256, 32, 16, 4, 1)])
     # dK/dV: block_n is the program's key tile, block_m the query tile it loops over.
-    bwd_notes = "FA3-style backward: wgmma, TMA ring, dQ by atomics"
-    ws_bwd = "FA3-style warp-specialized backward: loader warp, dQ atomics in writer warps"
-    # Both kernels at D 64/128, the faster first (H200, 2026-11-30, attempt 22: warp
-    # specialization +16-25% at D=64, -6 to -10% at D=128); `fmha tune` times both.
+    bwd_notes = "FA3-style backward: wgmma, TMA ring, dQ by TMA reduce-add (D=256: atomics)"
+    ws_bwd = "FA3-style warp-specialized backward: loader warp, dQ by TMA reduce-add from a writer warp"
+    # Both kernels at D 64/128, the faster first (H200, 2026-11-30: warp specialization
+    # +16-25% at D=64, attempt 22; with dQ by TMA reduce-add, 3 stages and one dQ buffer it
+    # leads at D=128 too, attempt 25); `fmha tune` times both.
     configs += [_gluon_config(Family.BWD_DQ_DK_DV, 64, 64, 128, 8, 3, Pipeline.GLUON_WS, ws_bwd),
                 _gluon_config(Family.BWD_DQ_DK_DV, 64, 64, 128, 8, 3, Pipeline.GLUON, bwd_notes),
+                _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 3, Pipeline.GLUON_WS, ws_bwd),
                 _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 2, Pipeline.GLUON, bwd_notes),
-                _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 2, Pipeline.GLUON_WS, ws_bwd),
                 # D=256: 64 keys (dK and dV take 128 registers a thread), dQ in two halves.
                 _gluon_config(Family.BWD_DQ_DK_DV, 256, 64, 64, 8, 2, Pipeline.GLUON, bwd_notes)]
     configs += _family_configs(Family.BWD_DQ_DK_DV, [

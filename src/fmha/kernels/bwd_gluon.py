@@ -1,4 +1,5 @@
-"""Backward dK/dV (+ dQ by atomics) for Hopper in Gluon (family `bwd_dq_dk_dv`, pipeline `gluon`).
+"""Backward dK/dV (+ dQ added into an fp32 accumulator) for Hopper in Gluon (family
+`bwd_dq_dk_dv`, pipelines `gluon` and, below, `gluon_ws`).
 
 One program per (batch, KV head, key tile): 128 keys on 8 warps (two warpgroups of 64 key
 rows), or 64 keys on 4 or 8 warps (D=256: 8, dQ formed in column halves).
@@ -8,12 +9,14 @@ TMA stages, over every query head of the KV head's group. Per query tile, with w
     S^T = K Q^T,  dP^T = V dO^T                     (both from shared memory)
     P^T = exp2(S^T * scale*log2(e) - LSE*log2(e)),  dS^T = P^T * (dP^T - delta)
     dV += P^T dO,  dK += dS^T Q                     (P^T, dS^T from registers)
-    dQ_acc += dS K                                  (dS^T through shared memory; fp32 atomics)
+    dQ_acc += dS K                                  (dS^T through shared memory)
 
 dK is scaled by the softmax scale at the end; dQ_acc is converted (and scaled) by the
 `bwd_convert_dq` kernel as for the Triton path. LSE and delta of each query tile come by TMA
-with Q and dO (STATS_TMA; per-thread loads where TMA cannot address them), and dQ goes out
-as `red.global.add.v2.f32` of column pairs (DQ_V2; scalar atomics if 8-byte alignment fails).
+with Q and dO (STATS_TMA; per-thread loads where TMA cannot address them). dQ goes out by a
+TMA reduce-add from shared memory (DQ_TMA, FlashAttention-3's way: the copy engine adds the
+tile in L2, no atomics on the warps' memory pipe), or else as `red.global.add.v2.f32` of column
+pairs (DQ_V2; scalar atomics if 8-byte alignment fails).
 Scope: fp16/bf16, Dqk == Dv in {64, 128, 256}, no mask or causal in either alignment, GQA;
 TMA-aligned bhsd/bshd views.
 """
@@ -34,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import launch_cache
-from .gluon_common import acc_layout, descriptor, descriptor_type, fast_descriptor, tma_aligned
+from .gluon_common import acc_layout, descriptor, descriptor_type, fast_descriptor, tma_aligned, tma_reduce_add
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # Warp-specialized variant: 8 compute warps + 1 loader warp + 2 writer warps, padded to 12
@@ -189,7 +192,7 @@ def _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_
 
 
 @gluon.jit
-def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr, dv_ptr,
+def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr, dv_ptr,
                     stride_lb, stride_lh, stride_lm,
                     stride_deb, stride_deh, stride_dem,
                     stride_dqb, stride_dqh, stride_dqm,
@@ -198,10 +201,16 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr,
                     seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale,
                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
-                    DQ_V2: gl.constexpr, DQ_COLS: gl.constexpr):
+                    DQ_V2: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr,
+                    DQ_ALIAS: gl.constexpr):
     """lse, delta: TMA descriptors of (B, Hq, Sq) fp32 with STATS_TMA, else pointers.
+    dq_acc: with DQ_TMA a TMA descriptor of the (B, Hq, Sq, D) fp32 accumulator (blocks of
+    BLOCK_M x DQ_COLS), else its pointer.
     DQ_COLS: dQ is formed and added DQ_COLS columns at a time (HEAD_DIM for one product; half
-    at D=256, where a whole 64 x 256 fp32 dQ next to dK and dV would spill)."""
+    at D=256, where a whole 64 x 256 fp32 dQ next to dK and dV would spill).
+    DQ_ALIAS (DQ_TMA, DQ_COLS = HEAD_DIM / 2): the two fp32 halves are staged in the tile's Q
+    and dO buffers (each exactly BLOCK_M x DQ_COLS x 4 bytes), free once dK and dV are
+    updated and refilled only after the next tile's dS^T barrier, which waits for the reduction."""
     dtype: gl.constexpr = q_desc.dtype
     NUM_WARPS: gl.constexpr = gl.num_warps()
     st_layout: gl.constexpr = acc_layout(BLOCK_N, BLOCK_M, NUM_WARPS)  # S^T, dP^T: keys x queries
@@ -222,6 +231,11 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr,
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_smem_layout)
+    dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
+    if DQ_TMA and not DQ_ALIAS:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout)
+    if DQ_ALIAS:
+        gl.static_assert(2 * DQ_COLS == HEAD_DIM, "dQ halves staged in the Q and dO buffers")
     stat_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_smem_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_smem_layout)
@@ -274,13 +288,16 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr,
         ds_buf = ds_smem.index(it % 2)
         ds_buf.store(dst16)
         fence_async_shared()
+        if DQ_TMA:
+            tma.store_wait(0)  # the issuing thread: the last dQ reduction has read dq_smem
         gl.thread_barrier()  # dS^T complete in shared memory; every warp is past iteration it-1
         if it + STAGES - 1 < total:  # the stage of iteration it-1 is free: prefetch ahead
             _load_tile(q_desc, do_desc, lse, delta, q_smem, do_smem, lse_smem, delta_smem, ready, stat_ready,
                        it + STAGES - 1, m_start, n_m, hq0, b, BLOCK_M, STAGES, STATS_TMA)
         dq_rows = m0 + dq_rows_base
-        dq_base = dq_ptr + (b.to(gl.int64) * stride_dqb + h * stride_dqh + dq_rows[:, None] * stride_dqm
-                            + dq_cols[None, :])
+        if not DQ_TMA:
+            dq_base = dq_acc + (b.to(gl.int64) * stride_dqb + h * stride_dqh + dq_rows[:, None] * stride_dqm
+                                + dq_cols[None, :])
         for c in gl.static_range(HEAD_DIM // DQ_COLS):
             dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem.slice(c * DQ_COLS, DQ_COLS, dim=1), dq_zero,
                                use_acc=False, is_async=True)
@@ -288,27 +305,51 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr,
                 dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
             else:
                 dq = warpgroup_mma_wait(0, deps=(dq,))
-            if DQ_V2:
+            if DQ_ALIAS:
+                if c == 0:
+                    gl.thread_barrier()  # every warp's dK/dV products (the Q and dO readers) are done
+                    q_tile._reinterpret(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout).store(dq)
+                else:
+                    do_tile._reinterpret(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout).store(dq)
+                    fence_async_shared()
+                    gl.thread_barrier()  # both halves in shared memory, visible to the TMA unit
+                    tma_reduce_add(dq_acc, [b, h, m0, 0], q_tile._reinterpret(
+                        gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout).reshape(dq_acc.block_type.shape))
+                    tma_reduce_add(dq_acc, [b, h, m0, DQ_COLS], do_tile._reinterpret(
+                        gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout).reshape(dq_acc.block_type.shape))
+            elif DQ_TMA:
+                if c > 0:  # column blocks share the buffer
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+                dq_smem.store(dq)
+                fence_async_shared()
+                gl.thread_barrier()  # the whole tile is in shared memory, visible to the TMA unit
+                tma_reduce_add(dq_acc, [b, h, m0, c * DQ_COLS], dq_smem.reshape(dq_acc.block_type.shape))
+            elif DQ_V2:
                 _red_add_v2(dq_base + c * DQ_COLS, dq, (dq_rows < seqlen_q).to(gl.int32)[:, None])
             else:
                 gl.atomic_add(dq_base + c * DQ_COLS, dq, mask=(dq_rows < seqlen_q)[:, None], sem="relaxed")
+    if DQ_TMA:
+        tma.store_wait(0)  # shared memory must outlive the last reduction's reads
 
     _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
                 stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
 
 # ----------------------------------------------------------------------------------------
 # Warp-specialized variant (pipeline `gluon_ws`): the same tile and products, with the TMA
-# loads in a loader warp and the dQ atomics in two writer warps, so the wgmma warpgroups
-# neither issue copies nor wait on the atomics' memory pipe. The compute warps hand dQ over
-# in shared memory; the writer adds it to dq_acc with `red.global.add.v4.f32`. One 8-warp
+# loads in a loader warp and the dQ reduction in two writer warps, so the wgmma warpgroups
+# neither issue copies nor wait for dQ to leave. The compute warps hand dQ over in shared
+# memory; the writer adds it to dq_acc by TMA reduce-add (DQ_TMA) or else with
+# `red.global.add.v4.f32`. One 8-warp
 # compute partition: two warpgroups over the 128 keys, in lockstep at the dS^T barrier as in
 # bwd_dkdv_kernel (separate partitions per warpgroup, each with its own partial dQ, measured
 # slower: docs/performance.md, attempt 23).
 
 @gluon.jit
 def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr):
-    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, stride_dqb, stride_dqh, stride_dqm,
+               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
+               DQ_TMA: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
     b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
@@ -324,12 +365,14 @@ def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
 
 @gluon.jit
 def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr):
-    """Adds each handed-over dQ tile to dq_acc in blocks of 8 rows x 32 columns (one swizzle
-    atom of the fp32 buffer: 8 rows of 128 bytes), one quad of consecutive columns a thread
-    (one v4 reduction). The worker warps run on 24 registers, so a step holds little more
-    than one quad a thread."""
-    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, stride_dqb, stride_dqh, stride_dqm,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
+                  DQ_TMA: gl.constexpr):
+    """Adds each handed-over dQ tile to dq_acc: with DQ_TMA by one TMA reduce-add of the
+    buffer, released once the copy engine has read it; else in blocks of 8 rows x 32 columns
+    (one swizzle atom of the fp32 buffer: 8 rows of 128 bytes), one quad of consecutive columns
+    a thread (one v4 reduction). The worker warps run on 24 registers, so a step holds little
+    more than one quad a thread."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
     ROWS: gl.constexpr = 8
@@ -343,22 +386,26 @@ def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl
         buf = it % DQ_BUFS
         h = hq0 + it // n_m
         m0 = (m_start + it % n_m) * BLOCK_M
-        tile = dq_ptr + b.to(gl.int64) * stride_dqb + h * stride_dqh + m0.to(gl.int64) * stride_dqm
         mbarrier.wait(dq_full.index(buf), (it // DQ_BUFS) & 1)
-        for r in gl.static_range(0, BLOCK_M, ROWS):
-            in_range = (m0 + r + block_rows < seqlen_q).to(gl.int32)[:, None]
-            for c in gl.static_range(0, HEAD_DIM, COLS):
-                dq = dq_smem.index(buf).slice(r, ROWS, dim=0).slice(c, COLS, dim=1).load(layout)
-                _red_add_v4(tile + (r * stride_dqm + c) + offsets, dq, in_range)
-        gl.thread_barrier()  # both warps have read the buffer
+        if DQ_TMA:
+            tma_reduce_add(dq_acc, [b, h, m0, 0], dq_smem.index(buf).reshape(dq_acc.block_type.shape))
+            tma.store_wait(0)
+        else:
+            tile = dq_acc + b.to(gl.int64) * stride_dqb + h * stride_dqh + m0.to(gl.int64) * stride_dqm
+            for r in gl.static_range(0, BLOCK_M, ROWS):
+                in_range = (m0 + r + block_rows < seqlen_q).to(gl.int32)[:, None]
+                for c in gl.static_range(0, HEAD_DIM, COLS):
+                    dq = dq_smem.index(buf).slice(r, ROWS, dim=0).slice(c, COLS, dim=1).load(layout)
+                    _red_add_v4(tile + (r * stride_dqm + c) + offsets, dq, in_range)
+        gl.thread_barrier()  # both warps have read the buffer (or waited for the copy engine)
         mbarrier.arrive(dq_empty.index(buf), count=1)
 
 
 @gluon.jit
 def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
-                DQ_COLS: gl.constexpr):
-    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, stride_dqb, stride_dqh, stride_dqm,
+                DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
@@ -416,6 +463,8 @@ def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.c
             else:
                 dq = warpgroup_mma_wait(0, deps=(dq,))
             dq_buf.slice(c * DQ_COLS, DQ_COLS, dim=1).store(dq)
+        if DQ_TMA:
+            fence_async_shared()  # the writer's TMA reads the buffer
         gl.thread_barrier()  # dQ stored by every warp; every product reading Q, dO and dS is done
         mbarrier.arrive(dq_full.index(buf), count=1)
         mbarrier.arrive(empty.index(stage), count=1)
@@ -424,7 +473,7 @@ def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.c
 
 
 @gluon.jit
-def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_ptr, dv_ptr,
+def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr, dv_ptr,
                        stride_lb, stride_lh, stride_lm,
                        stride_deb, stride_deh, stride_dem,
                        stride_dqb, stride_dqh, stride_dqm,
@@ -433,9 +482,10 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_p
                        seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale,
                        CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
-                       DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr):
-    """Arguments as bwd_dkdv_kernel's (dq_acc 16-byte aligned, strides multiples of 4).
-    DQ_BUFS: dQ hand-over buffers in shared memory; DQ_COLS: dQ columns per product."""
+                       DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
+    """Arguments as bwd_dkdv_kernel's (dq_acc 16-byte aligned, strides multiples of 4; with
+    DQ_TMA its descriptor, blocks of BLOCK_M x HEAD_DIM). DQ_BUFS: dQ hand-over buffers in shared
+    memory; DQ_COLS: dQ columns per product."""
     dtype: gl.constexpr = q_desc.dtype
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -465,7 +515,7 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_p
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
 
-    args = (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, stride_dqb, stride_dqh, stride_dqm,
+    args = (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
             seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
             ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty)
     lse_strides = (stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem)
@@ -473,9 +523,9 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_ptr, dk_p
                 qk_scale, scale)
     gl.warp_specialize([
         (_ws_compute, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS,
-                       DQ_COLS)),
-        (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS)),
-        (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS)),
+                       DQ_COLS, DQ_TMA)),
+        (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_TMA)),
+        (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_TMA)),
     ], [1, 2], [WORKER_REGS, WORKER_REGS])
 
 def dq_columns(head_dim: int) -> int:
@@ -483,9 +533,15 @@ def dq_columns(head_dim: int) -> int:
     return min(head_dim, 128)
 
 
-# The warp-specialized kernel's shape per head dim: dQ hand-over buffers and dQ columns per
+# Kernel shapes per pipeline and head dim. dq_tma: dQ by TMA reduce-add (+20% at D=128 over
+# atomics, attempt 25); dq_alias: its two column halves staged in the tile's Q and dO buffers
+# (D=256: a separate buffer does not fit next to its 218 KB).
+# Warp-specialized: dQ hand-over buffers (D=128: one, so 3 stages fit) and dQ columns per
 # product (64-column products measured 3% slower at D=128, attempt 22).
-WS_SHAPES = {64: dict(dq_bufs=2, dq_cols=64), 128: dict(dq_bufs=2, dq_cols=128)}
+SHAPES = {
+    "gluon": {64: dict(dq_tma=1), 128: dict(dq_tma=1), 256: dict(dq_tma=1, dq_alias=1)},
+    "gluon_ws": {64: dict(dq_bufs=2, dq_cols=64, dq_tma=1), 128: dict(dq_bufs=1, dq_cols=128, dq_tma=1)},
+}
 
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_bottom_right: bool,
@@ -499,24 +555,28 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     grid = (triton.cdiv(seqlen_k, block_n) * batch * nheads_k,)
     # LSE/delta by TMA needs 16-byte aligned bases and row strides (Sq % 4 == 0 when contiguous).
     stats_tma = tma_aligned(lse, delta)
+    shape = SHAPES["gluon_ws" if warp_specialized else "gluon"][head_dim]
+    dq_tma = bool(shape["dq_tma"]) and tma_aligned(dq_acc)
+    dq_cols = head_dim if warp_specialized else shape.get("dq_cols", dq_columns(head_dim))
     args = (descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m),
             _stats_descriptor(lse, block_m) if stats_tma else lse,
             _stats_descriptor(delta, block_m) if stats_tma else delta,
-            dq_acc, dk, dv, *lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3],
-            *dv.stride()[:3],
+            _dq_descriptor(dq_acc, block_m, dq_cols) if dq_tma else dq_acc, dk, dv,
+            *lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
             seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale)
     if warp_specialized:
-        if not dq_quads_aligned(dq_acc):
+        if not (dq_tma or dq_quads_aligned(dq_acc)):
             raise ValueError("dq_acc: the warp-specialized dK/dV kernel adds dQ in 16-byte quads; "
                              f"got data_ptr % 16 = {dq_acc.data_ptr() % 16}, strides {dq_acc.stride()}")
-        constexprs, options = _ws_spec(causal, block_m, block_n, head_dim, num_stages, stats_tma)
+        constexprs, options = _ws_spec(causal, block_m, block_n, head_dim, num_stages, stats_tma, dq_tma)
         launch_cache.launch(bwd_dkdv_ws_kernel, grid, *args, **constexprs, **options)
         return
     # dQ pairs 8-byte aligned: the kernel assumes column stride 1; the other strides even.
     dq_v2 = dq_acc.data_ptr() % 8 == 0 and all(s % 2 == 0 for s in dq_acc.stride()[:3])
     launch_cache.launch(bwd_dkdv_kernel, grid, *args,
         CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-        STATS_TMA=stats_tma, DQ_V2=dq_v2, DQ_COLS=dq_columns(head_dim), num_warps=num_warps,
+        STATS_TMA=stats_tma, DQ_V2=dq_v2, DQ_COLS=dq_cols, DQ_TMA=dq_tma,
+        DQ_ALIAS=dq_tma and bool(shape.get("dq_alias")), num_warps=num_warps,
     )
 
 
@@ -526,12 +586,12 @@ def dq_quads_aligned(dq_acc) -> bool:
             and all(s % 4 == 0 for s in dq_acc.stride()[:3]))
 
 
-def _ws_spec(causal, block_m, block_n, head_dim, num_stages, stats_tma) -> tuple[dict, dict]:
+def _ws_spec(causal, block_m, block_n, head_dim, num_stages, stats_tma, dq_tma) -> tuple[dict, dict]:
     """(constexprs, launch options) of the warp-specialized kernel: the launch's num_warps is
     the compute partition's 8; with the workers 12 warps start at 168 registers (WORKER_REGS)."""
-    shape = WS_SHAPES[head_dim]
+    shape = SHAPES["gluon_ws"][head_dim]
     constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-                      STATS_TMA=stats_tma, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"])
+                      STATS_TMA=stats_tma, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"], DQ_TMA=dq_tma)
     return constexprs, {"num_warps": 8, "maxnreg": 168}
 
 
@@ -546,26 +606,45 @@ def _stats_descriptor(t, block_m: int):
     return fast_descriptor(t, [1, 1, block_m], _stats_layout())
 
 
+@functools.cache
+def _dq_layout(block_m: int, cols: int):
+    """Shared layout of a dQ reduce-add block [1, 1, block_m, cols] (fp32, 128-byte swizzle)."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, block_m, cols], gl.float32)
+
+
+def _dq_descriptor(dq_acc, block_m: int, cols: int):
+    """TMA descriptor of the (B, Hq, Sq, D) fp32 dQ accumulator for the reduce-add; rows past
+    Sq are clipped by the copy engine."""
+    return fast_descriptor(dq_acc, [1, 1, block_m, cols], _dq_layout(block_m, cols))
+
+
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
                  causal: bool, stats_tma: bool = True, dq_v2: bool = True, num_warps: int = 8,
-                 warp_specialized: bool = False) -> tuple[dict, dict, dict]:
+                 warp_specialized: bool = False, dq_tma: bool | None = None) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `bwd_dkdv_kernel` (`bwd_dkdv_ws_kernel` when
-    warp_specialized) as `launch_dkdv` calls it (with TMA-aligned LSE/delta and an 8-byte
-    aligned dq_acc unless told otherwise)."""
+    warp_specialized) as `launch_dkdv` calls it (with TMA-aligned LSE/delta and dq_acc unless
+    told otherwise; dq_tma None: as SHAPES says)."""
+    shape = SHAPES["gluon_ws" if warp_specialized else "gluon"][head_dim]
+    if dq_tma is None:
+        dq_tma = bool(shape["dq_tma"])
+    dq_cols = head_dim if warp_specialized else shape.get("dq_cols", dq_columns(head_dim))
     def desc(rows):
         return descriptor_type(dtype, rows, head_dim)
 
     stats = f"tensordesc<fp32[1,1,{block_m}],{_stats_layout()!r}>" if stats_tma else "*fp32"
     types = {"q_desc": desc(block_m), "k_desc": desc(block_n), "v_desc": desc(block_n),
-             "do_desc": desc(block_m), "lse": stats, "delta": stats, "dq_ptr": "*fp32",
+             "do_desc": desc(block_m), "lse": stats, "delta": stats,
+             "dq_acc": f"tensordesc<fp32[1,1,{block_m},{dq_cols}],{_dq_layout(block_m, dq_cols)!r}>" if dq_tma
+             else "*fp32",
              "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}", "qk_scale": "fp32", "scale": "fp32"}
     if warp_specialized:
         kernel = bwd_dkdv_ws_kernel
-        constexprs, options = _ws_spec(causal, block_m, block_n, head_dim, num_stages, stats_tma)
+        constexprs, options = _ws_spec(causal, block_m, block_n, head_dim, num_stages, stats_tma, dq_tma)
     else:
         kernel, options = bwd_dkdv_kernel, {"num_warps": num_warps}
         constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-                          STATS_TMA=stats_tma, DQ_V2=dq_v2, DQ_COLS=dq_columns(head_dim))
+                          STATS_TMA=stats_tma, DQ_V2=dq_v2, DQ_COLS=dq_cols, DQ_TMA=dq_tma,
+                          DQ_ALIAS=dq_tma and bool(shape.get("dq_alias")))
     # In the kernel's argument order; the other arguments are strides and sizes (i32).
     signature = {name: types.get(name, "i32") for name in kernel.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))

@@ -1,13 +1,15 @@
 """Host and layout helpers shared by the Hopper Gluon kernels (fwd_gluon, bwd_gluon):
 wgmma accumulator layouts, TMA descriptors over (B, H, S, D) views, their compile-time
-signature strings, and the alignment rule TMA imposes."""
+signature strings, the alignment rule TMA imposes, and the TMA reduce-add Gluon 3.6 lacks."""
 
 from __future__ import annotations
 
 import functools
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 
 _ELEMENTS = {"fp16": gl.float16, "bf16": gl.bfloat16, "fp8e4nv": gl.float8e4nv}
 _TORCH_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float8_e4m3fn": "fp8e4nv"}
@@ -70,3 +72,13 @@ def descriptor_type(dtype: str, block_rows: int, cols: int) -> str:
     """The signature string of `descriptor(t, block_rows, cols)` for an ahead-of-time compile."""
     layout = _shared_layout(dtype, block_rows, cols)
     return f"tensordesc<{dtype}[1,1,{block_rows},{cols}],{layout!r}>"
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """`global[coord...] += src` for a shared-memory tile, by the TMA unit
+    (`cp.reduce.async.bulk.tensor ... .add`; complete with `tma.store_wait`, like a TMA store).
+    Triton 3.6's Gluon builds this op (`create_async_tma_reduce`) but its Hopper `tma` module has
+    no front-end function for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
