@@ -3,6 +3,8 @@
 The entries are real: `fmha kernels build` compiles convert_dq for sm90 into an empty
 cache (Triton ships ptxas; no GPU needed), then the tests damage one file the way an
 interrupted copy would (truncate it) and check what Triton alone does and what fmha does.
+Triton alone: its own FileCacheManager (the fixture sets it: importing fmha's launchers
+installs fmha's checked manager in the process).
 """
 
 import json
@@ -14,6 +16,7 @@ import pytest
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.cache import FileCacheManager
 
 from fmha import Family, default_registry, kernel_cache, precompile
 
@@ -42,6 +45,7 @@ def triton_cache(tmp_path, monkeypatch, pristine):
     text = (pristine / "record.json").read_text().replace(str(pristine / "triton-cache"), str(cache))
     (tmp_path / "record.json").write_text(text)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    monkeypatch.setattr(triton.knobs.cache, "manager_class", FileCacheManager)  # Triton alone
     return cache
 
 
@@ -164,3 +168,33 @@ def test_elf_check_finds_truncation_anywhere(triton_cache):
     for keep in (10, 63, 64, len(data) // 3, len(data) - 1):
         assert kernel_cache.elf_problems(data[:keep]), keep
     assert kernel_cache.elf_problems(b"garbage" * 20)
+
+
+@pytest.mark.parametrize("damaged", ["cubin", "metadata", "group"])
+def test_the_checked_cache_manager_evicts_before_triton_loads(tmp_path, triton_cache, monkeypatch, damaged):
+    """What fmha installs as Triton's cache manager: a damaged entry is never handed to the
+    loader (a truncated cubin crashed the CUDA driver of an H200 host instead of failing)
+    but evicted, with a warning, and the kernel compiled again."""
+    entry = _entry(_build(tmp_path / "record.json"))
+    whole = next(entry.glob("*.cubin")).read_bytes()
+    (file,) = entry.glob({"cubin": "*.cubin", "metadata": "[!_]*.json", "group": "__grp__*.json"}[damaged])
+    _truncate(file)
+    monkeypatch.setattr(triton.knobs.cache, "manager_class", None)
+    assert kernel_cache.install_checked_cache()
+    assert triton.knobs.cache.manager_class is kernel_cache.CheckedFileCacheManager
+    with pytest.warns(kernel_cache.CorruptCacheWarning, match="truncated|not valid JSON|unreadable group file"):
+        compiled = _triton_compile(_job())
+    assert compiled.asm["cubin"] == whole
+    assert kernel_cache.scan(triton_cache) == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _triton_compile(_job()).asm["cubin"] == whole  # a clean cache hit now
+
+
+def test_a_configured_cache_manager_is_left_alone(monkeypatch):
+    class Mine(FileCacheManager):
+        pass
+
+    monkeypatch.setattr(triton.knobs.cache, "manager_class", Mine)
+    assert not kernel_cache.install_checked_cache()
+    assert triton.knobs.cache.manager_class is Mine

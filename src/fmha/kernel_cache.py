@@ -12,15 +12,18 @@ runtime/cache.py, and reproduced by tests/test_kernel_cache.py):
   `triton.compile` (the kernel's first launch in a process), every time, until the entry
   is removed by hand;
 - a truncated `.cubin`: `triton.compile` returns it as a cache hit without looking; the
-  first launch fails in `cuModuleLoadData` ("device kernel image is invalid") and the
-  broken kernel stays in the process' in-memory cache. `fmha kernels build` reported such
-  a kernel "built" or "cached".
+  first launch fails in `cuModuleLoadData` ("device kernel image is invalid"), or on some
+  drivers crashes the process (a segmentation fault, seen on an H200 host on 2026-11-30),
+  and the broken kernel stays in the process' in-memory cache. `fmha kernels build`
+  reported such a kernel "built" or "cached".
 
 fmha therefore checks entries itself (`entry_problems`: JSON parses, the group's files
-exist, the binary is a complete ELF file) and, where a kernel is compiled or launched
-(`precompile` and `guard_launch`), evicts a damaged entry with a warning and compiles
-again, once. A binary damaged without changing its length (a flipped bit) passes these
-checks; Triton keeps no checksum to catch that.
+exist, the binary is a complete ELF file): at run time before Triton loads one
+(`CheckedFileCacheManager`, installed as Triton's cache manager when fmha wraps its
+launchers, unless another manager is configured), and where a kernel is compiled or
+launched (`precompile` and `guard_launch`, for the rest); a damaged entry is evicted with a
+warning and its kernel compiled again, once. A binary damaged without changing its length
+(a flipped bit) passes these checks; Triton keeps no checksum to catch that.
 """
 
 from __future__ import annotations
@@ -180,9 +183,50 @@ def jit_functions(module: Any) -> list[Any]:
     return [v for v in vars(module).values() if isinstance(v, JITFunction)]
 
 
+def _checked_manager_class():
+    from triton.runtime.cache import FileCacheManager
+
+    class CheckedFileCacheManager(FileCacheManager):
+        """Triton's file cache, checking a kernel's entry before handing it out: a damaged one
+        is evicted (with a CorruptCacheWarning) and reported missing, so Triton compiles the
+        kernel again instead of loading a binary that may fail or crash the driver."""
+
+        def get_group(self, filename: str):
+            entry = Path(self.cache_dir)
+            if (entry / f"__grp__{filename}").exists() and entry_problems(entry):
+                evict([entry], why="Triton compiles its kernel again")
+                os.makedirs(entry, exist_ok=True)  # where Triton writes the new entry
+                return None
+            return super().get_group(filename)
+
+    return CheckedFileCacheManager
+
+
+CheckedFileCacheManager = None  # the class, built on first use (Triton imported lazily)
+
+
+def install_checked_cache() -> bool:
+    """Make `CheckedFileCacheManager` Triton's cache manager (in this process only), unless
+    another manager is configured (TRITON_CACHE_MANAGER or `triton.knobs.cache`); True if
+    it is the one in use."""
+    global CheckedFileCacheManager
+    import triton
+
+    if CheckedFileCacheManager is None:
+        CheckedFileCacheManager = _checked_manager_class()
+    current = triton.knobs.cache.manager_class
+    if current is None:
+        triton.knobs.cache.manager_class = CheckedFileCacheManager  # a class sets no env variable
+        return True
+    return current is CheckedFileCacheManager
+
+
 def guard_launch(launch: F, module: Any) -> F:
     """`launch` (a kernel launcher of `module`), retried once after evicting damaged cache
-    entries if it fails while any exist. Errors with an intact cache pass through."""
+    entries if it fails while any exist. Errors with an intact cache pass through. Also
+    installs the checked cache manager (`install_checked_cache`), which catches damaged
+    entries before Triton loads them."""
+    install_checked_cache()
 
     @functools.wraps(launch)
     def guarded(*args: Any, **kwargs: Any) -> Any:
