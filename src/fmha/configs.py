@@ -23,7 +23,7 @@ class Family(str, Enum):
     FWD = "fwd"
     DROPOUT_MASK = "dropout_mask"
     BWD_DOT_DO_O = "bwd_dot_do_o"
-    BWD_DQ_DK_DV = "bwd_dq_dk_dv"  # dK/dV, and dQ by atomics into an fp32 buffer
+    BWD_DQ_DK_DV = "bwd_dq_dk_dv"  # dK/dV, and dQ added (atomics or TMA reduce-add) into an fp32 buffer
     BWD_CONVERT_DQ = "bwd_convert_dq"  # that buffer to dQ
     BWD_DQ = "bwd_dq"  # dQ without atomics (deterministic backward)
     FWD_SPLITKV = "fwd_splitkv"  # attention over a (paged) KV cache, keys split across programs

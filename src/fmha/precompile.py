@@ -356,7 +356,7 @@ def make_job(spec: KernelSpec, config: KernelConfig, dtype: DType, variant: str)
 
 def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob]]:
     """The compile calls of a Gluon config, plain and causal: the forward (kernels/fwd_gluon.py)
-    or the dK/dV + atomic dQ backward (kernels/bwd_gluon.py)."""
+    or the dK/dV backward with dQ added into an fp32 buffer (kernels/bwd_gluon.py)."""
     from .kernels import bwd_gluon, fwd_gluon
 
     a = config.algorithm
