@@ -3,6 +3,7 @@ JIT specializes on (a shared key would run a kernel compiled for other arguments
 interpreted kernel always goes through its own call. The launches themselves run in the GPU
 tests (tests/test_gpu.py::test_launch_cache_*)."""
 
+import pytest
 import torch
 
 from fmha.kernels import launch_cache
@@ -149,3 +150,48 @@ def test_every_decode_launch_has_a_key_and_the_16_bit_ones_are_cached(monkeypatc
         assert set(kernel.arg_names[len(args):]) <= kwargs.keys(), kernel.fn.__name__
     plain = [all(type(x) in launch_cache._PLAIN for x in kwargs.values()) for *_, kwargs in seen]
     assert plain == [True] * (len(seen) - 1) + [False]  # only the float8 cache's launch is not cached
+
+
+@pytest.mark.parametrize("warp_specialized", [False, True])
+def test_the_gluon_backward_adds_dq_by_tma_where_it_can_address_the_accumulator(monkeypatch, warp_specialized):
+    """dQ by TMA reduce-add needs a 16-byte aligned dq_acc: then the kernel gets its
+    descriptor (blocks of 64 queries x the dQ columns of one reduction); otherwise the
+    unspecialized kernel takes its atomics and the warp-specialized one refuses (its writer
+    adds 16-byte quads)."""
+    from fmha.kernels import bwd_gluon
+
+    seen = _recorded_launches(monkeypatch)
+    b, h, s, d = 1, 2, 128, 128
+    q, k, v, do = (torch.randn(b, h, s, d).to(torch.bfloat16) for _ in range(4))
+    lse, delta = torch.randn(b, h, s), torch.randn(b, h, s)
+
+    def launch(dq_acc):
+        bwd_gluon.launch_dkdv(q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v), dq_acc,
+                              causal=False, align_bottom_right=False, scale=0.1, block_m=64, block_n=128,
+                              num_stages=2, warp_specialized=warp_specialized)
+        return seen[-1]
+
+    _, _, args, kwargs = launch(torch.zeros(b, h, s, d))
+    assert kwargs["DQ_TMA"] is True and list(args[6].block_shape) == [1, 1, 64, d]
+    shifted = torch.zeros(b * h * s * d + 1)[1:].view(b, h, s, d)  # 4 bytes off: no TMA
+    if warp_specialized:
+        with pytest.raises(ValueError, match="dq_acc"):
+            launch(shifted)
+    else:
+        _, _, args, kwargs = launch(shifted)
+        assert kwargs["DQ_TMA"] is False and args[6] is shifted
+
+
+def test_the_d256_backward_stages_dq_in_the_tiles_q_and_do_buffers(monkeypatch):
+    from fmha.kernels import bwd_gluon
+
+    seen = _recorded_launches(monkeypatch)
+    b, h, s, d = 1, 2, 128, 256
+    q, k, v, do = (torch.randn(b, h, s, d).to(torch.bfloat16) for _ in range(4))
+    lse, delta = torch.randn(b, h, s), torch.randn(b, h, s)
+    bwd_gluon.launch_dkdv(q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v),
+                          torch.zeros(b, h, s, d), causal=True, align_bottom_right=False, scale=0.1,
+                          block_m=64, block_n=64, num_stages=2)
+    _, _, args, kwargs = seen[-1]
+    assert kwargs["DQ_TMA"] and kwargs["DQ_ALIAS"] and kwargs["DQ_COLS"] == 128
+    assert list(args[6].block_shape) == [1, 1, 64, 128]  # one half per reduce-add
