@@ -340,15 +340,13 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr,
 # loads in a loader warp and the dQ reduction in two writer warps, so the wgmma warpgroups
 # neither issue copies nor wait for dQ to leave. The compute warps hand dQ over in shared
 # memory; the writer adds it to dq_acc by TMA reduce-add (DQ_TMA) or else with
-# `red.global.add.v4.f32`. One 8-warp
-# compute partition: two warpgroups over the 128 keys, in lockstep at the dS^T barrier as in
-# bwd_dkdv_kernel (separate partitions per warpgroup, each with its own partial dQ, measured
-# slower: docs/performance.md, attempt 23).
+# `red.global.add.v4.f32`. One 8-warp compute partition: two warpgroups over the 128 keys, in
+# lockstep at the dS^T barrier as in bwd_dkdv_kernel (separate partitions per warpgroup, each
+# with its own partial dQ, measured slower: docs/performance.md, attempt 23).
 
 @gluon.jit
 def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
-               DQ_TMA: gl.constexpr):
+               STAGES: gl.constexpr, STATS_TMA: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
@@ -365,8 +363,7 @@ def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
 
 @gluon.jit
 def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
-                  DQ_TMA: gl.constexpr):
+                  HEAD_DIM: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_TMA: gl.constexpr):
     """Adds each handed-over dQ tile to dq_acc: with DQ_TMA by one TMA reduce-add of the
     buffer, released once the copy engine has read it; else in blocks of 8 rows x 32 columns
     (one swizzle atom of the fp32 buffer: 8 rows of 128 bytes), one quad of consecutive columns
@@ -524,8 +521,8 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     gl.warp_specialize([
         (_ws_compute, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS,
                        DQ_COLS, DQ_TMA)),
-        (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_TMA)),
-        (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_TMA)),
+        (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
+        (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA)),
     ], [1, 2], [WORKER_REGS, WORKER_REGS])
 
 def dq_columns(head_dim: int) -> int:
