@@ -1,5 +1,6 @@
 """Decode bandwidth on a GPU: fmha.attention_with_kvcache (contiguous, paged through a
-block table with pages of 16/64/256, FlashInfer-style indptr tables) against SDPA cuDNN
+block table with pages of 16/64/256 in shuffled order and 16 in order, FlashInfer-style
+indptr tables) against SDPA cuDNN
 and SDPA flash, plus variants of the split-KV kernel (BLOCK_N, warps, stages) and forced
 split counts (block table and indptr tables alike), so one run shows which config and
 split policy to keep.
@@ -73,6 +74,10 @@ def contenders(B, Hq, Hk, S, D, quick: bool):
         kp[table.long()] = kc.reshape(B, S // page, page, Hk, D)  # same keys, scattered
         vp[table.long()] = vc.reshape(B, S // page, page, Hk, D)
         caches[f"paged({page})"] = dict(k_cache=kp, v_cache=vp, cache_seqlens=seqlens, block_table=table)
+        if page == 16:  # the same pages in order: the cost of scattering apart from the paging itself
+            in_order = torch.arange(n, device=DEVICE, dtype=torch.int32).reshape(B, S // page)
+            caches["paged(16) in order"] = dict(k_cache=kc.reshape(n, page, Hk, D), v_cache=vc.reshape(n, page, Hk, D),
+                                               cache_seqlens=seqlens, block_table=in_order)
         if page == 64:
             caches["indptr(64)"] = dict(
                 k_cache=kp, v_cache=vp, kv_indices=table.reshape(-1).contiguous(),
