@@ -552,29 +552,22 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     grid = (triton.cdiv(seqlen_k, block_n) * batch * nheads_k,)
     # LSE/delta by TMA needs 16-byte aligned bases and row strides (Sq % 4 == 0 when contiguous).
     stats_tma = tma_aligned(lse, delta)
-    shape = SHAPES["gluon_ws" if warp_specialized else "gluon"][head_dim]
-    dq_tma = bool(shape["dq_tma"]) and tma_aligned(dq_acc)
-    dq_cols = head_dim if warp_specialized else shape.get("dq_cols", dq_columns(head_dim))
+    # dQ pairs 8-byte aligned: the kernel assumes column stride 1; the other strides even.
+    dq_v2 = dq_acc.data_ptr() % 8 == 0 and all(s % 2 == 0 for s in dq_acc.stride()[:3])
+    kernel, constexprs, options, reduce_cols = _kernel_spec(
+        head_dim, block_m, block_n, num_stages, causal=causal, stats_tma=stats_tma, dq_tma=tma_aligned(dq_acc),
+        dq_v2=dq_v2, num_warps=num_warps, warp_specialized=warp_specialized)
+    dq_tma = constexprs["DQ_TMA"]
+    if warp_specialized and not (dq_tma or dq_quads_aligned(dq_acc)):
+        raise ValueError("dq_acc: the warp-specialized dK/dV kernel adds dQ in 16-byte quads; "
+                         f"got data_ptr % 16 = {dq_acc.data_ptr() % 16}, strides {dq_acc.stride()}")
     args = (descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m),
             _stats_descriptor(lse, block_m) if stats_tma else lse,
             _stats_descriptor(delta, block_m) if stats_tma else delta,
-            _dq_descriptor(dq_acc, block_m, dq_cols) if dq_tma else dq_acc, dk, dv,
+            _dq_descriptor(dq_acc, block_m, reduce_cols) if dq_tma else dq_acc, dk, dv,
             *lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
             seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale)
-    if warp_specialized:
-        if not (dq_tma or dq_quads_aligned(dq_acc)):
-            raise ValueError("dq_acc: the warp-specialized dK/dV kernel adds dQ in 16-byte quads; "
-                             f"got data_ptr % 16 = {dq_acc.data_ptr() % 16}, strides {dq_acc.stride()}")
-        constexprs, options = _ws_spec(causal, block_m, block_n, head_dim, num_stages, stats_tma, dq_tma)
-        launch_cache.launch(bwd_dkdv_ws_kernel, grid, *args, **constexprs, **options)
-        return
-    # dQ pairs 8-byte aligned: the kernel assumes column stride 1; the other strides even.
-    dq_v2 = dq_acc.data_ptr() % 8 == 0 and all(s % 2 == 0 for s in dq_acc.stride()[:3])
-    launch_cache.launch(bwd_dkdv_kernel, grid, *args,
-        CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-        STATS_TMA=stats_tma, DQ_V2=dq_v2, DQ_COLS=dq_cols, DQ_TMA=dq_tma,
-        DQ_ALIAS=dq_tma and bool(shape.get("dq_alias")), num_warps=num_warps,
-    )
+    launch_cache.launch(kernel, grid, *args, **constexprs, **options)
 
 
 def dq_quads_aligned(dq_acc) -> bool:
@@ -583,13 +576,23 @@ def dq_quads_aligned(dq_acc) -> bool:
             and all(s % 4 == 0 for s in dq_acc.stride()[:3]))
 
 
-def _ws_spec(causal, block_m, block_n, head_dim, num_stages, stats_tma, dq_tma) -> tuple[dict, dict]:
-    """(constexprs, launch options) of the warp-specialized kernel: the launch's num_warps is
-    the compute partition's 8; with the workers 12 warps start at 168 registers (WORKER_REGS)."""
-    shape = SHAPES["gluon_ws"][head_dim]
-    constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-                      STATS_TMA=stats_tma, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"], DQ_TMA=dq_tma)
-    return constexprs, {"num_warps": 8, "maxnreg": 168}
+def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, dq_tma, dq_v2, num_warps,
+                 warp_specialized):
+    """(kernel, constexprs, launch options, dQ columns per reduce-add) of one launch, the
+    kernel shape from SHAPES. dq_tma: whether TMA can address dq_acc (it is used where the
+    shape says so). The warp-specialized launch's num_warps is the compute partition's 8;
+    with the workers 12 warps start at 168 registers (WORKER_REGS)."""
+    shape = SHAPES["gluon_ws" if warp_specialized else "gluon"][head_dim]
+    dq_tma = bool(shape["dq_tma"]) and dq_tma
+    common = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
+                  STATS_TMA=stats_tma)
+    if warp_specialized:  # the writer reduces the whole handed-over tile
+        constexprs = dict(common, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"], DQ_TMA=dq_tma)
+        return bwd_dkdv_ws_kernel, constexprs, {"num_warps": 8, "maxnreg": 168}, head_dim
+    dq_cols = shape.get("dq_cols", dq_columns(head_dim))
+    constexprs = dict(common, DQ_V2=dq_v2, DQ_COLS=dq_cols, DQ_TMA=dq_tma,
+                      DQ_ALIAS=dq_tma and bool(shape.get("dq_alias")))
+    return bwd_dkdv_kernel, constexprs, {"num_warps": num_warps}, dq_cols
 
 
 @functools.cache
@@ -621,27 +624,20 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
     """(signature, constexprs, options) of `bwd_dkdv_kernel` (`bwd_dkdv_ws_kernel` when
     warp_specialized) as `launch_dkdv` calls it (with TMA-aligned LSE/delta and dq_acc unless
     told otherwise; dq_tma None: as SHAPES says)."""
-    shape = SHAPES["gluon_ws" if warp_specialized else "gluon"][head_dim]
-    if dq_tma is None:
-        dq_tma = bool(shape["dq_tma"])
-    dq_cols = head_dim if warp_specialized else shape.get("dq_cols", dq_columns(head_dim))
+    kernel, constexprs, options, reduce_cols = _kernel_spec(
+        head_dim, block_m, block_n, num_stages, causal=causal, stats_tma=stats_tma,
+        dq_tma=True if dq_tma is None else dq_tma, dq_v2=dq_v2, num_warps=num_warps,
+        warp_specialized=warp_specialized)
+    dq_type = (f"tensordesc<fp32[1,1,{block_m},{reduce_cols}],{_dq_layout(block_m, reduce_cols)!r}>"
+               if constexprs["DQ_TMA"] else "*fp32")
+
     def desc(rows):
         return descriptor_type(dtype, rows, head_dim)
 
     stats = f"tensordesc<fp32[1,1,{block_m}],{_stats_layout()!r}>" if stats_tma else "*fp32"
     types = {"q_desc": desc(block_m), "k_desc": desc(block_n), "v_desc": desc(block_n),
-             "do_desc": desc(block_m), "lse": stats, "delta": stats,
-             "dq_acc": f"tensordesc<fp32[1,1,{block_m},{dq_cols}],{_dq_layout(block_m, dq_cols)!r}>" if dq_tma
-             else "*fp32",
+             "do_desc": desc(block_m), "lse": stats, "delta": stats, "dq_acc": dq_type,
              "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}", "qk_scale": "fp32", "scale": "fp32"}
-    if warp_specialized:
-        kernel = bwd_dkdv_ws_kernel
-        constexprs, options = _ws_spec(causal, block_m, block_n, head_dim, num_stages, stats_tma, dq_tma)
-    else:
-        kernel, options = bwd_dkdv_kernel, {"num_warps": num_warps}
-        constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-                          STATS_TMA=stats_tma, DQ_V2=dq_v2, DQ_COLS=dq_cols, DQ_TMA=dq_tma,
-                          DQ_ALIAS=dq_tma and bool(shape.get("dq_alias")))
     # In the kernel's argument order; the other arguments are strides and sizes (i32).
     signature = {name: types.get(name, "i32") for name in kernel.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
