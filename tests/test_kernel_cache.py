@@ -181,7 +181,7 @@ def test_the_checked_cache_manager_evicts_before_triton_loads(tmp_path, triton_c
     _truncate(file)
     monkeypatch.setattr(triton.knobs.cache, "manager_class", None)
     assert kernel_cache.install_checked_cache()
-    assert triton.knobs.cache.manager_class is kernel_cache.CheckedFileCacheManager
+    assert triton.knobs.cache.manager_class is kernel_cache.checked_cache_manager()
     with pytest.warns(kernel_cache.CorruptCacheWarning, match="truncated|not valid JSON|unreadable group file"):
         compiled = _triton_compile(_job())
     assert compiled.asm["cubin"] == whole

@@ -19,7 +19,7 @@ runtime/cache.py, and reproduced by tests/test_kernel_cache.py):
 
 fmha therefore checks entries itself (`entry_problems`: JSON parses, the group's files
 exist, the binary is a complete ELF file): at run time before Triton loads one
-(`CheckedFileCacheManager`, installed as Triton's cache manager when fmha wraps its
+(`checked_cache_manager()`, installed as Triton's cache manager when fmha wraps its
 launchers, unless another manager is configured), and where a kernel is compiled or
 launched (`precompile` and `guard_launch`, for the rest); a damaged entry is evicted with a
 warning and its kernel compiled again, once. A binary damaged without changing its length
@@ -183,7 +183,9 @@ def jit_functions(module: Any) -> list[Any]:
     return [v for v in vars(module).values() if isinstance(v, JITFunction)]
 
 
-def _checked_manager_class():
+@functools.cache
+def checked_cache_manager() -> type:
+    """`CheckedFileCacheManager`, defined on first use (fmha imports Triton lazily)."""
     from triton.runtime.cache import FileCacheManager
 
     class CheckedFileCacheManager(FileCacheManager):
@@ -202,23 +204,17 @@ def _checked_manager_class():
     return CheckedFileCacheManager
 
 
-CheckedFileCacheManager = None  # the class, built on first use (Triton imported lazily)
-
-
 def install_checked_cache() -> bool:
-    """Make `CheckedFileCacheManager` Triton's cache manager (in this process only), unless
+    """Make `checked_cache_manager()` Triton's cache manager (in this process only), unless
     another manager is configured (TRITON_CACHE_MANAGER or `triton.knobs.cache`); True if
     it is the one in use."""
-    global CheckedFileCacheManager
     import triton
 
-    if CheckedFileCacheManager is None:
-        CheckedFileCacheManager = _checked_manager_class()
     current = triton.knobs.cache.manager_class
     if current is None:
-        triton.knobs.cache.manager_class = CheckedFileCacheManager  # a class sets no env variable
+        triton.knobs.cache.manager_class = checked_cache_manager()  # a class sets no env variable
         return True
-    return current is CheckedFileCacheManager
+    return current is checked_cache_manager()
 
 
 def guard_launch(launch: F, module: Any) -> F:
