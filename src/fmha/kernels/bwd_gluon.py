@@ -564,7 +564,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     args = (descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m),
             _stats_descriptor(lse, block_m) if stats_tma else lse,
             _stats_descriptor(delta, block_m) if stats_tma else delta,
-            _dq_descriptor(dq_acc, block_m, reduce_cols) if dq_tma else dq_acc, dk, dv,
+            descriptor(dq_acc, block_m, reduce_cols) if dq_tma else dq_acc, dk, dv,  # (rows past Sq: clipped)
             *lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
             seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale)
     launch_cache.launch(kernel, grid, *args, **constexprs, **options)
@@ -606,18 +606,6 @@ def _stats_descriptor(t, block_m: int):
     return fast_descriptor(t, [1, 1, block_m], _stats_layout())
 
 
-@functools.cache
-def _dq_layout(block_m: int, cols: int):
-    """Shared layout of a dQ reduce-add block [1, 1, block_m, cols] (fp32, 128-byte swizzle)."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, block_m, cols], gl.float32)
-
-
-def _dq_descriptor(dq_acc, block_m: int, cols: int):
-    """TMA descriptor of the (B, Hq, Sq, D) fp32 dQ accumulator for the reduce-add; rows past
-    Sq are clipped by the copy engine."""
-    return fast_descriptor(dq_acc, [1, 1, block_m, cols], _dq_layout(block_m, cols))
-
-
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
                  causal: bool, stats_tma: bool = True, dq_v2: bool = True, num_warps: int = 8,
                  warp_specialized: bool = False, dq_tma: bool | None = None) -> tuple[dict, dict, dict]:
@@ -628,8 +616,7 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
         head_dim, block_m, block_n, num_stages, causal=causal, stats_tma=stats_tma,
         dq_tma=True if dq_tma is None else dq_tma, dq_v2=dq_v2, num_warps=num_warps,
         warp_specialized=warp_specialized)
-    dq_type = (f"tensordesc<fp32[1,1,{block_m},{reduce_cols}],{_dq_layout(block_m, reduce_cols)!r}>"
-               if constexprs["DQ_TMA"] else "*fp32")
+    dq_type = descriptor_type("fp32", block_m, reduce_cols) if constexprs["DQ_TMA"] else "*fp32"
 
     def desc(rows):
         return descriptor_type(dtype, rows, head_dim)

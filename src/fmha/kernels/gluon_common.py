@@ -11,8 +11,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 
-_ELEMENTS = {"fp16": gl.float16, "bf16": gl.bfloat16, "fp8e4nv": gl.float8e4nv}
-_TORCH_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float8_e4m3fn": "fp8e4nv"}
+_ELEMENTS = {"fp16": gl.float16, "bf16": gl.bfloat16, "fp8e4nv": gl.float8e4nv, "fp32": gl.float32}
+_TORCH_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float8_e4m3fn": "fp8e4nv",
+                "torch.float32": "fp32"}  # fp32: the backward's dQ accumulator (TMA reduce-add)
 
 
 @gluon.constexpr_function
