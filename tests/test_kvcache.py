@@ -65,6 +65,29 @@ def test_any_page_size(rng, page_size):
           num_splits=3)
 
 
+@pytest.mark.parametrize("offsets_32", [True, False])
+def test_page_addressing_variants(rng, monkeypatch, offsets_32):
+    """Pages of 16 (the page of a key is a shift), a V cache laid out unlike K (its own row
+    offsets), and 64-bit offsets (what caches past 2**31 elements take) match the reference."""
+    from fmha.kernels import kvcache as kvcache_kernels
+
+    monkeypatch.setattr(kvcache_kernels, "_offsets_fit_int32", lambda *caches: offsets_32)
+    q, kc, vc, bt = paged_case(rng, page_size=16, pages_per_seq=3, seqlen_q=1)
+    vc = vc.transpose(1, 2).contiguous().transpose(1, 2)  # head-major pages: other strides than K
+    assert kc.stride() != vc.stride()
+    check(q, kc, vc, cache_seqlens=torch.tensor([48, 17, 30], dtype=torch.int32), block_table=bt, num_splits=2)
+
+
+def test_int32_offsets_only_where_they_fit():
+    from fmha.kernels.kvcache import _offsets_fit_int32
+
+    fits = torch.empty((1024, 16, 8, 128), device="meta")  # 2**24 elements
+    beyond = torch.empty((2**20, 16, 8, 128), device="meta")  # 2**34 elements
+    assert _offsets_fit_int32(fits, fits) and not _offsets_fit_int32(fits, beyond)
+    two_rows_far_apart = torch.empty((2, 2**31), device="meta")[:, :1]  # 2 elements, offset 2**31
+    assert not _offsets_fit_int32(two_rows_far_apart)
+
+
 def test_contiguous_cache_with_batch_index_and_decode_features(rng):
     q = randn((2, 3, 8, 32), torch.float16, rng)
     kc, vc = randn((4, 50, 2, 32), torch.float16, rng), randn((4, 50, 2, 32), torch.float16, rng)

@@ -52,7 +52,10 @@ def splitkv_jobs():
             if mode in ("indptr rows", "contiguous") and (dt, bm, bn, w, s) != TILES[0][:5]:
                 continue  # same code paths as "paged rows" / the paged modes: once is enough
             for varlen, features, split in ((False, False, True), (bm >= 32, True, False)):
+                # pages of 16 (a shift) in the row modes; the usual cache: int32 offsets, K/V alike
                 constexprs = dict(PAGED=paged, TABLE_INDPTR=indptr, PAGE_PER_TILE=per_tile,
+                                  PAGE_SHIFT=4 if paged and not per_tile else -1, OFFSETS_32=True,
+                                  KV_SAME_STRIDES=True,
                                   HAS_CACHE_BATCH_IDX=batch_idx, IS_VARLEN=varlen, SPLIT=split, KV_FP8=False,
                                   DOT_PRECISION="ieee", BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=d, BLOCK_DV=d,
                                   **dict.fromkeys(FEATURES, features))

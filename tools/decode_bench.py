@@ -1,7 +1,7 @@
 """Decode bandwidth on a GPU: fmha.attention_with_kvcache (contiguous, paged through a
 block table with pages of 16/64/256 in shuffled order and 16 in order, FlashInfer-style
-indptr tables) against SDPA cuDNN
-and SDPA flash, plus variants of the split-KV kernel (BLOCK_N, warps, stages) and forced
+indptr tables; contiguous and pages of 16 also with the addressing of before, as an A/B
+control) against SDPA cuDNN and SDPA flash, plus variants of the split-KV kernel (BLOCK_N, warps, stages) and forced
 split counts (block table and indptr tables alike), so one run shows which config and
 split policy to keep.
 
@@ -23,6 +23,7 @@ A row with host_us close to us is host-bound. Writes JSON:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -33,6 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
 from fmha.configs import CUDA_ARCHS, KVCACHE_FEATURES, Algorithm, Family, KernelConfig, Signature
+from fmha.kernels import kvcache as kvcache_kernels
 from fmha.problem import DType, Problem
 
 DEVICE = "cuda"
@@ -41,6 +43,26 @@ DEFAULT_TILE = (64, 4, 3)  # the registry's decode config: BLOCK_N, warps, stage
 TILES = [DEFAULT_TILE, (64, 4, 4), (32, 4, 4), (128, 4, 3), (128, 8, 3)]
 PAGES = (16, 64, 256)
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+LEGACY = " legacy addressing"  # cache kinds also run with the addressing of before (A/B control)
+
+
+@contextlib.contextmanager
+def legacy_addressing():
+    """Launches as before 2026-11-30's sixth session: int64 row offsets, a key's page by an
+    integer division by the run-time page size, K and V row offsets computed apart. The same
+    kernel source, so the pair times the addressing alone."""
+    saved = kvcache_kernels._paging, kvcache_kernels._offsets_fit_int32, kvcache_kernels._same_strides
+
+    def paging(*args):
+        return {**saved[0](*args), "PAGE_SHIFT": -1}
+
+    kvcache_kernels._paging = paging
+    kvcache_kernels._offsets_fit_int32 = lambda *caches: False
+    kvcache_kernels._same_strides = lambda k_cache, v_cache: False
+    try:
+        yield
+    finally:
+        kvcache_kernels._paging, kvcache_kernels._offsets_fit_int32, kvcache_kernels._same_strides = saved
 
 
 def dispatcher_for(tile) -> fmha.Dispatcher:
@@ -83,6 +105,8 @@ def contenders(B, Hq, Hk, S, D, quick: bool):
                 k_cache=kp, v_cache=vp, kv_indices=table.reshape(-1).contiguous(),
                 kv_indptr=torch.arange(0, B * (S // page) + 1, S // page, device=DEVICE, dtype=torch.int32),
                 kv_last_page_len=torch.full((B,), page, dtype=torch.int32, device=DEVICE))
+    for kind in ("contiguous", "paged(16)"):
+        caches[kind + LEGACY] = caches[kind]
     runs = []
     for kind in caches:  # the default tile, every cache kind
         runs.append((DEFAULT_TILE, kind, 0))
@@ -104,9 +128,10 @@ def contenders(B, Hq, Hk, S, D, quick: bool):
                              "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION)}
 
 
-def fmha_fn(q, cache, splits):
+def fmha_fn(q, cache, splits, legacy: bool = False):
     def fn():
-        return fmha.attention_with_kvcache(q, **cache, num_splits=splits)
+        with legacy_addressing() if legacy else contextlib.nullcontext():
+            return fmha.attention_with_kvcache(q, **cache, num_splits=splits)
     return fn
 
 
@@ -177,8 +202,8 @@ def main() -> None:
         for name, fn in baselines.items():
             entries[name] = dict(name=name, fn=fn)
         for tile, kind, splits in runs:
-            fn, dispatcher = fmha_fn(q, caches[kind], splits), dispatcher_for(tile)
-            used = splits or heuristic_splits(dispatcher, B, Hq, Hk, S, D, kind != "contiguous")
+            fn, dispatcher = fmha_fn(q, caches[kind], splits, kind.endswith(LEGACY)), dispatcher_for(tile)
+            used = splits or heuristic_splits(dispatcher, B, Hq, Hk, S, D, not kind.startswith("contiguous"))
             name = f"fmha {kind} n{tile[0]}w{tile[1]}s{tile[2]} splits={'auto' if not splits else splits}"
             fmha.set_dispatcher(dispatcher)
             try:

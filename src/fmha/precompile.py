@@ -167,6 +167,8 @@ FAMILY_KERNELS: dict[Family, KernelSpec] = {
         flags=("PAGED", "TABLE_INDPTR", "PAGE_PER_TILE", "HAS_CACHE_BATCH_IDX", "IS_VARLEN",
                "ALIGN_BOTTOM_RIGHT", "HAS_LEFT", "HAS_RIGHT", "HAS_SINK_TOKENS", "HAS_SOFTCAP", "HAS_ALIBI",
                "HAS_SINKS", "SPLIT"),
+        # the usual cache: offsets fit in int32, K and V strided alike (the launcher checks)
+        constants={"PAGE_SHIFT": -1, "OFFSETS_32": True, "KV_SAME_STRIDES": True},
         causal=_CAUSAL, from_config=_TILES),
     Family.SPLITKV_COMBINE: KernelSpec(
         "kvcache", "combine_kernel",

@@ -48,31 +48,42 @@ def _seqlen_k(b, table_row, SeqlensK, KvIndptr, page_size, TABLE_INDPTR: tl.cons
 
 
 @triton.jit
-def _kv_slots(b_row, Table, table_row, page_size, n0, len_k,
-              PAGED: tl.constexpr, PAGE_PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _kv_slots(b_row, Table, table_row, page_size, n0, len_k, PAGED: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
+              PAGE_SHIFT: tl.constexpr, OFFSETS_32: tl.constexpr, BLOCK_N: tl.constexpr):
     """(slot, token) of the keys n0 + arange(BLOCK_N) of one sequence: the cache row or
-    page id (int64) and the position in it; page ids past len_k are not read. PAGE_PER_TILE:
-    page_size and n0 are multiples of BLOCK_N, so the tile is in one page: one id is loaded."""
+    page id and the position in it; page ids past len_k are not read. PAGE_PER_TILE:
+    page_size and n0 are multiples of BLOCK_N, so the tile is in one page: one id is loaded.
+    PAGE_SHIFT >= 0: page_size is 2**PAGE_SHIFT, so the page of a key is a shift, not an
+    integer division by a run-time value. OFFSETS_32: slots stay int32 (the launcher checked
+    that every offset into the caches fits)."""
     cols = n0 + tl.arange(0, BLOCK_N)
     if PAGED:
         if PAGE_PER_TILE:
             page_idx = n0 // page_size
-            slot = tl.load(Table + table_row + page_idx, mask=n0 < len_k, other=0).to(tl.int64)
+            slot = tl.load(Table + table_row + page_idx, mask=n0 < len_k, other=0)
             tok = cols - page_idx * page_size
+        elif PAGE_SHIFT >= 0:
+            slot = tl.load(Table + table_row + (cols >> PAGE_SHIFT), mask=cols < len_k, other=0)
+            tok = cols & ((1 << PAGE_SHIFT) - 1)
         else:
-            slot = tl.load(Table + table_row + cols // page_size, mask=cols < len_k, other=0).to(tl.int64)
+            slot = tl.load(Table + table_row + cols // page_size, mask=cols < len_k, other=0)
             tok = cols % page_size
     else:
-        slot = b_row.to(tl.int64)
+        slot = b_row
         tok = cols
+    if not OFFSETS_32:
+        slot = slot.to(tl.int64)
     return slot, tok
 
 
 @triton.jit
-def _kv_tile_ptrs(Base, slot, tok, stride_row, stride_tok, hk, stride_h, offs_d):
-    """Pointers [BLOCK_N, BLOCK_D] of the cache entries (slot, tok) of KV head hk."""
-    rows = slot * stride_row + tok.to(tl.int64) * stride_tok + hk * stride_h
-    return Base + rows[:, None] + offs_d[None, :]
+def _kv_rows(slot, tok, stride_row, stride_tok, hk, stride_h, OFFSETS_32: tl.constexpr):
+    """Element offsets [BLOCK_N] of the cache entries (slot, tok) of KV head hk."""
+    if OFFSETS_32:
+        rows = slot * stride_row + tok * stride_tok + hk * stride_h
+    else:
+        rows = slot * stride_row + tok.to(tl.int64) * stride_tok + hk * stride_h
+    return rows
 
 
 @triton.jit(do_not_specialize=["window_left", "window_right", "sink_size"])
@@ -86,7 +97,8 @@ def splitkv_kernel(
     stride_btb, page_size, stride_alibib, stride_alibih,
     batch, nheads_q, group_size, seqlen_q, head_dim_qk, head_dim_v, num_splits,
     scale, softcap, window_left, window_right, sink_size,
-    PAGED: tl.constexpr, TABLE_INDPTR: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
+    PAGED: tl.constexpr, TABLE_INDPTR: tl.constexpr, PAGE_PER_TILE: tl.constexpr, PAGE_SHIFT: tl.constexpr,
+    OFFSETS_32: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
     HAS_CACHE_BATCH_IDX: tl.constexpr, IS_VARLEN: tl.constexpr, ALIGN_BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
@@ -179,14 +191,15 @@ def splitkv_kernel(
         # of a tile depend on no load of their own iteration and the software pipeline
         # runs as deep for a paged cache as for a contiguous one.
         slot_next, tok_next = _kv_slots(b_row, BlockTable, table_row, page_size, start, len_k,
-                                        PAGED, PAGE_PER_TILE, BLOCK_N)
+                                        PAGED, PAGE_PER_TILE, PAGE_SHIFT, OFFSETS_32, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < len_k
             slot, tok = slot_next, tok_next
             slot_next, tok_next = _kv_slots(b_row, BlockTable, table_row, page_size, n0 + BLOCK_N, len_k,
-                                            PAGED, PAGE_PER_TILE, BLOCK_N)
-            k = tl.load(_kv_tile_ptrs(K, slot, tok, stride_kb, stride_kn, hk, stride_kh, offs_dq),
+                                            PAGED, PAGE_PER_TILE, PAGE_SHIFT, OFFSETS_32, BLOCK_N)
+            k_rows = _kv_rows(slot, tok, stride_kb, stride_kn, hk, stride_kh, OFFSETS_32)
+            k = tl.load(K + k_rows[:, None] + offs_dq[None, :],
                         mask=col_ok[:, None] & (offs_dq[None, :] < head_dim_qk), other=0.0)
             if KV_FP8:
                 k = k.to(Q.dtype.element_ty)
@@ -202,7 +215,10 @@ def splitkv_kernel(
             p = tl.math.exp2(s - m_safe[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(_kv_tile_ptrs(V, slot, tok, stride_vb, stride_vn, hk, stride_vh, offs_dv),
+            v_rows = k_rows  # K and V share their strides (the usual cache): one set of row offsets
+            if not KV_SAME_STRIDES:
+                v_rows = _kv_rows(slot, tok, stride_vb, stride_vn, hk, stride_vh, OFFSETS_32)
+            v = tl.load(V + v_rows[:, None] + offs_dv[None, :],
                         mask=col_ok[:, None] & (offs_dv[None, :] < head_dim_v), other=0.0)
             if KV_FP8:
                 v = v.to(Q.dtype.element_ty)
@@ -355,7 +371,21 @@ def _paging(block_table, kv_indptr, page_size: int, block_n: int) -> dict:
         page_size=page_size if paged else 1,
         PAGED=paged, TABLE_INDPTR=kv_indptr is not None,
         PAGE_PER_TILE=paged and page_size % block_n == 0,
+        # pages smaller than a tile: a power-of-two size makes a key's page a shift
+        PAGE_SHIFT=page_size.bit_length() - 1 if paged and page_size & (page_size - 1) == 0 else -1,
     )
+
+
+def _offsets_fit_int32(*caches) -> bool:
+    """Whether every element offset into these caches (any page, token, head, column) fits
+    in int32, so the kernel may compute row offsets in 32 bits."""
+    return all(sum((n - 1) * st for n, st in zip(c.shape, c.stride(), strict=True)) < 2**31 for c in caches)
+
+
+def _same_strides(k_cache, v_cache) -> bool:
+    """Whether K and V entries sit at the same offsets (page/row, token, head): then the
+    kernel computes one set of row offsets for both."""
+    return k_cache.stride()[:3] == v_cache.stride()[:3]
 
 
 def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table=None, kv_indptr=None,
@@ -417,7 +447,9 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
         paging.pop("stride_btb"), paging.pop("page_size"), *alibi_strides(alibi_slopes),
         batch, nheads_q, nheads_q // nheads_k, seqlen_q, head_dim_qk, head_dim_v, num_splits,
         scale, softcap, left, right, sink_size,
-        **paging, HAS_CACHE_BATCH_IDX=cache_batch_idx is not None, IS_VARLEN=varlen,
+        **paging, OFFSETS_32=_offsets_fit_int32(k_cache, v_cache),
+        KV_SAME_STRIDES=_same_strides(k_cache, v_cache),
+        HAS_CACHE_BATCH_IDX=cache_batch_idx is not None, IS_VARLEN=varlen,
         ALIGN_BOTTOM_RIGHT=align_bottom_right, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
         HAS_SINK_TOKENS=sink_size > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
         HAS_SINKS=sinks is not None, SPLIT=split, DOT_PRECISION=dot_precision,
