@@ -150,18 +150,36 @@ def test_gluon_backward_both_pipelines(rng, monkeypatch, dq, pipeline, head_dim,
     """Both dK/dV kernels at D 64/128, whichever the registry picks (test_gluon_backward covers
     that one at more shapes), with dQ by TMA reduce-add (the default) and by atomics (what
     dQ accumulators TMA cannot address get)."""
+    _check_backward_with_shape(rng, monkeypatch, pipeline, head_dim, mask, shape, dq_tma=int(dq == "tma"))
+
+
+def _check_backward_with_shape(rng, monkeypatch, pipeline, head_dim, mask, shape, **changes):
+    """check_backward (float64 truth) through `pipeline`'s dK/dV kernel at `head_dim`, its
+    kernel shape (bwd_gluon.SHAPES) changed so."""
     from fmha.kernels import bwd_gluon
 
     from attn_testing import check_backward
 
     shapes = {p: {d: dict(s) for d, s in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
-    shapes[pipeline][head_dim]["dq_tma"] = int(dq == "tma")
+    shapes[pipeline][head_dim].update(changes)
     monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
     q, k, v, kw = _masked_problem(rng, torch.bfloat16, head_dim, mask, shape)
     with fmha.api.use_dispatcher(_backward_dispatcher(pipeline)):
         line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
         assert f"sm90_{pipeline}_m64" in line, line
         check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
+
+
+@pytest.mark.parametrize("dq", ["tma", "atomics"])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1533), (1, 2, 2, 700, 77), (1, 4, 4, 2048, 2048)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gluon_ws_backward_late_handover(rng, monkeypatch, dq, mask, shape):
+    """The warp-specialized dK/dV kernel at D=64 with its dQ hand-over one tile late
+    (SHAPES late_handover=1, off by default): GQA (a key tile loops over 4 heads' query tiles),
+    key tiles without queries (causal_top_left, Sq < Sk) and partial tiles."""
+    _check_backward_with_shape(rng, monkeypatch, "gluon_ws", 64, mask, shape, dq_tma=int(dq == "tma"),
+                               late_handover=1)
 
 
 def test_warp_specialized_backward_is_chosen_at_d64(rng):
