@@ -55,6 +55,12 @@ def registers(block_m: int) -> tuple[int, int, int]:
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
 # fp8: P is rounded to e4m3 as P * 2**8 (fmha.fp8.P_SCALE; 256 < e4m3's 448), cancelled by l.
 P_LOG2_SCALE = gl.constexpr(8)
+# fp8: P enters P V with its keys permuted within blocks of 32 (FlashAttention-3's trick, see
+# `_p_operand`), V^T's keys the same way (`_transposed`), instead of a layout conversion of P
+# (shuffles and byte permutes on the softmax's critical path). `launch`'s and `compile_spec`'s
+# default; False keeps the conversion (A/B measurement: tools/fp8_bench.py --p-perm-ab).
+P_PERM = True
+KEY_PERM_BLOCK = gl.constexpr(32)
 
 
 @gluon.jit
@@ -120,8 +126,29 @@ def _v_operand(v_smem, stage, FP8: gl.constexpr):
 
 
 @gluon.jit
+def _p_operand(p, p_dtype: gl.constexpr, p_layout: gl.constexpr, P_PERM: gl.constexpr):
+    """P (wgmma accumulator layout, fp32) as the register A operand of P V.
+
+    P_PERM (fp8): within each 32 keys, the accumulator gives thread t = lane % 4 the columns
+    c = 16h + 8j + 2t + e (h, j, e in {0, 1}) and the e4m3 k32 A fragment wants a = 16h + 4t +
+    2j + e: the same count per thread. Renaming column c to a (a reshape and permute, free in
+    registers) turns P into P[:, key_perm] already in the A layout, so the conversion is a
+    register renaming instead of shuffles and byte permutes; V^T's keys are permuted the same
+    way on the host (`_transposed`), so P[:, key_perm] V[key_perm] = P V."""
+    p = p.to(p_dtype)
+    if P_PERM:
+        M: gl.constexpr = p.shape[0]
+        N: gl.constexpr = p.shape[1]
+        gl.static_assert(N % KEY_PERM_BLOCK == 0, "P_PERM: BLOCK_N a multiple of 32")
+        p = p.reshape([M, N // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([M, N])
+        return gl.convert_layout(p, p_layout, assert_trivial=True)  # a compile error if it moved data
+    else:
+        return gl.convert_layout(p, p_layout)
+
+
+@gluon.jit
 def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
-              PINGPONG: gl.constexpr, FP8: gl.constexpr,
+              PINGPONG: gl.constexpr, FP8: gl.constexpr, P_PERM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
@@ -172,7 +199,7 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
         s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # While S(j) runs: bring O to tile j-1's running max, then O += P(j-1) V(j-1).
         acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
-        p_op = gl.convert_layout(p.to(p_dtype), p_layout)
+        p_op = _p_operand(p, p_dtype, p_layout, P_PERM)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_op, _v_operand(v_smem, prev, FP8), acc, is_async=True)
         if PINGPONG:
@@ -186,7 +213,7 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
         mbarrier.arrive(v_empty.index(prev), count=1)
     last = (n_tiles - 1) % STAGES
     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
-    p_op = gl.convert_layout(p.to(p_dtype), p_layout)
+    p_op = _p_operand(p, p_dtype, p_layout, P_PERM)
     mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
     acc = warpgroup_mma(p_op, _v_operand(v_smem, last, FP8), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -216,28 +243,28 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
 
 @gluon.jit
 def _consumer0(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+               FP8: gl.constexpr, P_PERM: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 0, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    _consumer(args, 0, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
 def _consumer1(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+               FP8: gl.constexpr, P_PERM: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 1, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    _consumer(args, 1, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
 def _consumer2(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+               FP8: gl.constexpr, P_PERM: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 2, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    _consumer(args, 2, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
 def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-              FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+              FP8: gl.constexpr, P_PERM: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
@@ -271,7 +298,7 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
                   qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh,
                   vd_ptr, stride_vdb, stride_vdh,
                   CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-                  FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+                  FP8: gl.constexpr, P_PERM: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
@@ -311,38 +338,62 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
     # (The constexpr arguments are spelled out per partition: a tuple variable would not keep them constexpr.)
     if NUM_WG == 3:  # FA3's 192-row tile for small head dims: a third warpgroup hides more softmax
         gl.warp_specialize([
-            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-            (_consumer2, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer2, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _transposed(v):
+def _transposed(v, key_perm: bool = False):
     """V^T as a (B, Hk, D, Sk) view of a buffer whose rows are padded to 16 bytes (TMA); the
-    descriptor's extent is Sk, so TMA zero-fills the keys past the end."""
+    descriptor's extent is Sk, so TMA zero-fills the keys past the end.
+
+    key_perm (the kernel's P_PERM): (B, Hk, D, Sk rounded up to 32), the keys of each block of
+    32 in the order P's A fragment gives them: position a = 16h + 4t + 2j + e holds key
+    c = 16h + 8j + 2t + e. The keys past Sk are zeros in the buffer (the extent covers them: a
+    key of the last block may sit past Sk), so the masked P = 0 meets a finite V."""
     batch, heads, seqlen, head_dim = v.shape
-    padded = -(-seqlen // 16) * 16
-    vt = v.new_empty((batch, heads, head_dim, padded))[..., :seqlen]
-    vt.view(torch.uint8).copy_(v.view(torch.uint8).transpose(2, 3))  # a byte copy: any fp8 view
+    if not key_perm:
+        padded = -(-seqlen // 16) * 16
+        vt = v.new_empty((batch, heads, head_dim, padded))[..., :seqlen]
+        vt.view(torch.uint8).copy_(v.view(torch.uint8).transpose(2, 3))  # a byte copy: any fp8 view
+        return vt
+    block = KEY_PERM_BLOCK.value
+    full = seqlen - seqlen % block
+    vt = v.new_empty((batch, heads, head_dim, full + (block if full < seqlen else 0)))
+    src, dst = v.view(torch.uint8), vt.view(torch.uint8)
+
+    def permuted_copy(dst, src):  # dst (B, Hk, D, n * 32) <- src (B, Hk, n * 32, D), keys permuted
+        n = src.shape[2] // block
+        dst.view(batch, heads, head_dim, n, 2, 4, 2, 2).copy_(  # (h, t, j, e) <- (h, j, t, e)
+            src.reshape(batch, heads, n, 2, 2, 4, 2, head_dim).permute(0, 1, 7, 2, 3, 5, 4, 6))
+
+    if full:
+        permuted_copy(dst[..., :full], src[:, :, :full])
+    if full < seqlen:  # the last, partial block through a zero-padded copy
+        tail = torch.zeros((batch, heads, block, head_dim), dtype=torch.uint8, device=v.device)
+        tail[:, :, :seqlen - full] = src[:, :, full:]
+        permuted_copy(dst[..., full:], tail)
     return vt
 
 
 def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: float,
            block_m: int, block_n: int, num_stages: int, pingpong: bool = True,
-           descales: tuple | None = None) -> None:
+           descales: tuple | None = None, p_perm: bool | None = None) -> None:
     """q/k/v: (B, H, S, D) views with 16-byte aligned strides; o: (B, Hq, Sq, D) view of any
     float dtype and strides (a TMA store when it is q's dtype and aligned); lse: (B, Hq, Sq) fp32.
 
     float8 e4m3 q/k/v: `descales` = (q, k, v) fp32 views (B|1, H|1, 1) (fmha.fp8.check_descales;
     q's H is Hq or Hk, None is 1); V is transposed into a scratch buffer first (fp8 wgmma
-    reads its B operand K-major), one extra pass over V."""
+    reads its B operand K-major), one extra pass over V. p_perm (fp8; default `P_PERM`): the
+    keys of P and of V^T permuted within blocks of 32 instead of a layout conversion of P."""
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
@@ -351,8 +402,9 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     q_desc = descriptor(q, WG_ROWS.value)
     o_tma = o.dtype == q.dtype and tma_aligned(o)
     fp8 = q.dtype == torch.float8_e4m3fn
+    p_perm = fp8 and (P_PERM if p_perm is None else p_perm)
     if fp8:
-        v_desc = descriptor(_transposed(v), head_dim, block_n)
+        v_desc = descriptor(_transposed(v, p_perm), head_dim, block_n)
         descales = descales or (None, None, None)
         if None in descales:  # an absent descale is 1
             one = torch.ones((1, 1, 1), dtype=torch.float32, device=q.device)
@@ -370,18 +422,20 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         o, *o.stride()[:3], lse, *lse.stride(),
         seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE.value),
         *fp8_args,
-        CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
+        CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, P_PERM=p_perm,
+        BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         num_warps=4, maxnreg=maxnreg,
     )
 
 
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
-                 causal: bool, pingpong: bool) -> tuple[dict, dict, dict]:
+                 causal: bool, pingpong: bool, p_perm: bool | None = None) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `fwd_ws_kernel` as `launch` calls it, for an
     ahead-of-time compile (fmha kernels build) without a GPU. dtype: "fp16", "bf16" or
-    "fp8e4nv" (bf16 output)."""
+    "fp8e4nv" (bf16 output); p_perm as `launch`'s."""
     fp8 = dtype == "fp8e4nv"
+    p_perm = fp8 and (P_PERM if p_perm is None else p_perm)
 
     def desc(rows, cols=head_dim):
         return descriptor_type(dtype, rows, cols)
@@ -391,7 +445,8 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
              "v_desc": desc(head_dim, block_n) if fp8 else desc(block_n),
              "o_desc": desc(WG_ROWS.value), "o_ptr": f"*{out}", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     maxnreg, consumer_regs, producer_regs = registers(block_m)
-    constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=not fp8, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
+    constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=not fp8, PINGPONG=pingpong, FP8=fp8, P_PERM=p_perm,
+                      BLOCK_M=block_m,
                       BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
                       PRODUCER_REGS=producer_regs)
     if fp8:
