@@ -212,3 +212,23 @@ def test_gluon_configs_outside_the_kernels_shapes_are_refused(family, change, me
     config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon and c.family == family)
     with pytest.raises(ConfigError, match=message):
         KernelConfig(config.signature, dataclasses.replace(config.algorithm, **change))
+
+
+def test_persistent_forward_compile_spec():
+    """fwd_gluon.compile_spec(persistent=True) gives the kernel launch(persistent=True) runs: O
+    in its own buffer where shared memory allows (D 64/128), in Q's at D 256 and never for fp8
+    (bf16 output from registers); one program per SM (the registers allow no second)."""
+    from fmha.kernels import fwd_gluon
+
+    def constexprs(*args, **kw):
+        return fwd_gluon.compile_spec(*args, causal=True, **kw)[1]
+
+    assert constexprs("bf16", 64, 128, 128, 3, pingpong=False)["PERSISTENT"] is False
+    assert constexprs("bf16", 64, 128, 128, 3, pingpong=False)["O_BUF"] is False
+    for d, n, st, pp, o_buf in ((64, 128, 3, False, True), (128, 128, 2, True, True), (256, 64, 2, True, False)):
+        c = constexprs("bf16", d, 128, n, st, pingpong=pp, persistent=True)
+        assert c["PERSISTENT"] is True and c["O_BUF"] is o_buf, (d, c)
+        assert fwd_gluon.programs_per_sm(d, 128, n, st, o_buffer=o_buf) == 1
+        assert fwd_gluon.shared_bytes(d, 128, n, st, o_buffer=o_buf) <= fwd_gluon.SMEM_PER_SM
+    assert constexprs("fp8e4nv", 128, 128, 128, 2, pingpong=False, persistent=True)["O_BUF"] is False
+    assert fwd_gluon.programs_per_sm(64, 192, 64, 3) == 1

@@ -186,3 +186,92 @@ def test_warp_specialized_backward_is_chosen_at_d64(rng):
     q, k, v, kw = _masked_problem(rng, torch.bfloat16, 64, "causal", (1, 4, 4, 1024, 1024))
     line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
     assert "gluon_ws" in line, line
+
+
+# The persistent forward (fwd_gluon.launch(persistent=True), constexpr PERSISTENT): the same
+# checks with every Gluon forward launch of the dispatcher made persistent. programs: the SM
+# count the launcher sees (None: the real one), so that each program runs many CTA tiles
+# (ring and Q barrier phases carried across tiles, the snake order's partial last round).
+PERSISTENT_SHAPES = [  # (batch, nhead_q, nhead_k, seqlen_q, seqlen_k)
+    (4, 16, 4, 1000, 1533),  # GQA, 512 tiles: more than the SMs; rows and keys off the tile
+    (16, 16, 16, 1024, 1024),  # the short-sequence shape the persistent kernel is for
+    (2, 4, 1, 77, 4099),
+    (1, 2, 2, 4099, 77),  # Sq > Sk: fully masked rows under bottom-right causal
+]
+
+
+def _persistent_launches(monkeypatch, programs=None):
+    """Make the dispatcher's Gluon forward persistent (at most `programs` SMs); returns the list
+    the launches' (grid, number of CTA tiles) are appended to."""
+    from fmha.kernels import fwd_gluon, launch_cache, loader
+
+    seen = []
+    real_launch, real_cache_launch = fwd_gluon.launch, launch_cache.launch
+
+    def launch(q, *args, **kwargs):
+        kwargs["persistent"] = True
+        tiles = -(-q.shape[2] // kwargs["block_m"]) * q.shape[0] * q.shape[1]
+
+        def record(kernel, grid, *a, **kw):
+            assert kw["PERSISTENT"] is True
+            seen.append((grid[0], tiles))
+            return real_cache_launch(kernel, grid, *a, **kw)
+
+        monkeypatch.setattr(launch_cache, "launch", record)
+        try:
+            return real_launch(q, *args, **kwargs)
+        finally:
+            monkeypatch.setattr(launch_cache, "launch", real_cache_launch)
+
+    monkeypatch.setattr(fwd_gluon, "launch", launch)
+    if programs is not None:
+        monkeypatch.setattr(fwd_gluon, "_sm_count", lambda device: programs)
+    # the compiled module's guarded launchers wrap the functions they found: a fresh one
+    monkeypatch.setitem(loader._guarded, "fwd_gluon", loader._GuardedModule(fwd_gluon))
+    return seen
+
+
+def _check_persistent_grid(seen, programs):
+    assert seen, "no persistent Gluon forward launch"
+    sms = programs or torch.cuda.get_device_properties(0).multi_processor_count
+    for grid, tiles in seen:
+        assert grid == min(tiles, sms), (grid, tiles, sms)
+
+
+@pytest.mark.parametrize("programs", [None, 5], ids=["all_sms", "5_programs"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
+@pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gluon_forward_persistent(rng, monkeypatch, programs, head_dim, mask, shape):
+    seen = _persistent_launches(monkeypatch, programs)
+    q, k, v, kw = _masked_problem(rng, torch.bfloat16, head_dim, mask, shape)
+    assert _uses_gluon(q, k, v, **kw), fmha.explain(q, k, v, **kw)
+    check_attention(q, k, v, truth="torch64", **kw)
+    _check_persistent_grid(seen, programs)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("scale", [-0.09, 0.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_persistent_fp16_scales_layouts(rng, monkeypatch, layout, scale, causal):
+    """fp16, a negative and a zero scale (NEG_SCALE, TINY_SCALE), the bshd view (strided O by TMA)."""
+    seen = _persistent_launches(monkeypatch, programs=7)
+    q, k, v = make_qkv(rng, dtype=torch.float16, layout=layout, device=CUDA, batch=2, nhead_q=8,
+                       nhead_k=2, seqlen_q=700, seqlen_k=900, head_dim=128)
+    assert _uses_gluon(q, k, v, layout=layout, causal=causal, scale=scale)
+    check_attention(q, k, v, layout=layout, causal=causal, scale=scale, truth="torch64")
+    _check_persistent_grid(seen, 7)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_persistent_fp8(rng, monkeypatch, head_dim, causal):
+    """The e4m3 kernel (V^T tiles, descales per (batch, head) loaded per CTA tile, O stored
+    from registers as bf16) persistent, against the fp8 bound of tests/fp8_testing.py."""
+    from fp8_testing import run_and_check
+
+    seen = _persistent_launches(monkeypatch, programs=6)
+    q, k, v = (torch.randn(shape, generator=rng).to(CUDA) for shape in
+               ((2, 8, 777, head_dim), (2, 2, 1500, head_dim), (2, 2, 1500, head_dim)))
+    run_and_check(q, k, v, granularity="head", causal=causal, gpu=True)
+    _check_persistent_grid(seen, 6)

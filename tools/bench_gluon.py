@@ -4,6 +4,10 @@ B=4, H=16, S 4096/8192, D 64/128/256, bf16, causal and not (plus the GQA shape 4
 8192). Contenders alternate within each round; the median over rounds is reported.
 
     PYTHONPATH=src python tools/bench_gluon.py [--rounds N] [--quick] [--hdims 64,128]   (writes $OUT/bench_gluon.json)
+        [--persistent]   each Gluon variant also as the persistent kernel (name suffix _persist)
+        [--first-only]   only the registry's Gluon variant per head dim (the first of GLUON_VARIANTS)
+        [--short]        short sequences instead: B=16 H=16 S=1024 (and GQA 16x32/8 at D 128), plus
+                         B=4 H=16 S=8192 D=128 as a long control
 """
 
 import json
@@ -28,19 +32,20 @@ GLUON_VARIANTS = {
 TRITON_TILE = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 32, 8, 2)}
 
 
-def contenders(q, k, v, causal):
+def contenders(q, k, v, causal, persistent=False, first_only=False):
     b, hq, s, d = q.shape
     hk = k.shape[1]
     scale = 1 / math.sqrt(d)
     o = torch.empty_like(q)
     lse = torch.empty(b, hq, s, device=q.device, dtype=torch.float32)
     calls = {}
-    for bn, st, pp, *m in GLUON_VARIANTS[d]:
+    for bn, st, pp, *m in GLUON_VARIANTS[d][:1] if first_only else GLUON_VARIANTS[d]:
         bm = m[0] if m else 128
         name = f"gluon_m{bm}n{bn}s{st}{'_pp' if pp else ''}"
-        calls[name] = (lambda bn=bn, st=st, pp=pp, bm=bm: fwd_gluon.launch(
-            q, k, v, o, lse, causal=causal, align_bottom_right=True, scale=scale, block_m=bm,
-            block_n=bn, num_stages=st, pingpong=pp)) , o
+        for persist in (False, True) if persistent else (False,):
+            calls[name + ("_persist" if persist else "")] = (lambda bn=bn, st=st, pp=pp, bm=bm, persist=persist:
+                fwd_gluon.launch(q, k, v, o, lse, causal=causal, align_bottom_right=True, scale=scale, block_m=bm,
+                                 block_n=bn, num_stages=st, pingpong=pp, persistent=persist)), o
     bm, bn, w, st = TRITON_TILE[d]
     o2 = torch.empty_like(q)
     lse2 = torch.empty_like(lse)
@@ -66,16 +71,22 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     hdims = [int(x) for x in sys.argv[sys.argv.index("--hdims") + 1].split(",")] if "--hdims" in sys.argv \
         else [64, 128, 256]
-    shapes = [(4, 16, 16, s, d, c) for s in ((4096,) if quick else (4096, 8192)) for d in hdims
-              for c in (False, True)]
-    shapes += [(4, 32, 8, 8192, 128, c) for c in (False, True) if 128 in hdims]
+    persistent, first_only = "--persistent" in sys.argv, "--first-only" in sys.argv
+    if "--short" in sys.argv:
+        shapes = [(16, 16, 16, 1024, d, c) for d in hdims for c in (False, True)]
+        shapes += [(16, 32, 8, 1024, 128, c) for c in (False, True) if 128 in hdims]
+        shapes += [(4, 16, 16, 8192, 128, c) for c in (False, True) if 128 in hdims]
+    else:
+        shapes = [(4, 16, 16, s, d, c) for s in ((4096,) if quick else (4096, 8192)) for d in hdims
+                  for c in (False, True)]
+        shapes += [(4, 32, 8, 8192, 128, c) for c in (False, True) if 128 in hdims]
     rows = []
     for b, hq, hk, s, d, causal in shapes:
         torch.manual_seed(0)
         q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
-        calls = contenders(q, k, v, causal)
+        calls = contenders(q, k, v, causal, persistent, first_only)
         flops = 4.0 * b * hq * s * s * d / (2 if causal else 1)
         times = {name: [] for name in calls}
         errors = {}
@@ -116,12 +127,18 @@ def main() -> int:
             {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
              "rows": rows}, indent=1))
     gm = {}
-    for key in ("best_gluon", "gluon_default", "triton", "flash"):
+    for key in ("best_gluon", "gluon_default", "gluon_default_persist", "triton", "flash"):
         vals = []
         for r in rows:
             t = r["tflops"]
-            name = r["best_gluon"] if key == "best_gluon" else (
-                next((n for n in t if n.startswith("gluon")), None) if key == "gluon_default" else key)
+            if key == "best_gluon":
+                name = r["best_gluon"]
+            elif key == "gluon_default":
+                name = next((n for n in t if n.startswith("gluon") and not n.endswith("_persist")), None)
+            elif key == "gluon_default_persist":
+                name = next((n for n in t if n.startswith("gluon") and n.endswith("_persist")), None)
+            else:
+                name = key
             if name in t and "cudnn" in t:
                 vals.append(t[name] / t["cudnn"])
         if vals:

@@ -12,6 +12,11 @@ FlashAttention-3's structure, written with Gluon's Hopper primitives:
 - ping-pong (optional, `PINGPONG`): the two consumer warpgroups take turns issuing their
   matrix products (an mbarrier per warpgroup), so one's softmax hides under the other's
   products.
+- persistent (optional, `PERSISTENT`, `launch(persistent=True)`; not chosen by the registry
+  yet): one program per SM walks CTA tiles in a snake round robin (`_my_tile`), the K/V ring
+  and the ping-pong turns carried across tiles, Q freed per warpgroup (`q_empty`) so the next
+  tile's Q and first K/V load under this tile's last products and O store. For short
+  sequences, where the one-tile grid pays its prologue and epilogue per 128 rows.
 
 Scope (the dispatcher checks it, see registry.py): fp16/bf16, Dqk == Dv in {64, 128, 256},
 bhsd or bshd views with 16-byte aligned strides (TMA), no mask or causal in either
@@ -21,6 +26,8 @@ masked to -inf in the last tile.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -52,6 +59,42 @@ REGS_192 = (128, 160, 24)
 def registers(block_m: int) -> tuple[int, int, int]:
     """(maxnreg at launch, consumer and producer registers after setmaxnreg) for a row tile."""
     return REGS_192 if block_m == 192 else (MAXNREG, CONSUMER_REGS, PRODUCER_REGS)
+# Per-SM limits (Hopper): the opt-in shared memory of one program, and the register file.
+SMEM_PER_SM, REGS_PER_SM = 232448, 65536
+
+
+def shared_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, elem: int = 2,
+                 o_buffer: bool = False) -> int:
+    """Shared memory of `fwd_ws_kernel`: Q, the K/V ring, the persistent kernel's own O buffer
+    (`o_buffer`), and 1 KB for the barriers and the compiler's padding (the compiled kernels
+    use 200-400 bytes there)."""
+    tiles = block_m * head_dim * (2 if o_buffer else 1) + 2 * num_stages * block_n * head_dim
+    return tiles * elem + 1024
+
+
+def persistent_o_buffer(head_dim: int, block_m: int, block_n: int, num_stages: int, elem: int = 2) -> bool:
+    """Whether the persistent kernel can stage O in its own buffer (constexpr O_BUF): then the
+    next tile's Q loads while this tile's O is stored; otherwise O is staged in Q's buffer and
+    the next Q waits for the store. D 64/128 fit, D 256 (64 KB of Q) does not."""
+    return shared_bytes(head_dim, block_m, block_n, num_stages, elem, True) <= SMEM_PER_SM
+
+
+def programs_per_sm(head_dim: int, block_m: int, block_n: int, num_stages: int, elem: int = 2,
+                    o_buffer: bool = False) -> int:
+    """How many persistent programs fit on one SM, by shared memory and by registers (a
+    program: BLOCK_M / 64 consumer warpgroups and the producer's, at maxnreg registers). 1 for
+    every current configuration: the registers (168 x 384 or 128 x 512 threads) allow one."""
+    warps = 4 * (block_m // 64 + 1)
+    by_regs = REGS_PER_SM // (registers(block_m)[0] * 32 * warps)
+    by_smem = SMEM_PER_SM // shared_bytes(head_dim, block_m, block_n, num_stages, elem, o_buffer)
+    return max(1, min(by_regs, by_smem))
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
 # fp8: P is rounded to e4m3 as P * 2**8 (fmha.fp8.P_SCALE; 256 < e4m3's 448), cancelled by l.
 P_LOG2_SCALE = gl.constexpr(8)
@@ -63,6 +106,7 @@ P_PERM = True
 KEY_PERM_BLOCK = gl.constexpr(32)
 
 
+
 @gluon.jit
 def _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -72,8 +116,14 @@ def _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.constexpr
     """
     num_m = gl.cdiv(seqlen_q, BLOCK_M)
     pid = gl.program_id(0)
-    bh = pid // num_m
-    pid_m = num_m - 1 - pid % num_m
+    return _coords(pid // num_m, num_m - 1 - pid % num_m, seqlen_q, seqlen_k, nheads_q, group, diag,
+                   CAUSAL, BLOCK_M, BLOCK_N)
+
+
+@gluon.jit
+def _coords(bh, pid_m, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(b, h, hk, first row, number of key tiles) of row tile `pid_m` of (batch, head) `bh`."""
     b = bh // nheads_q
     h = bh % nheads_q
     row0 = pid_m * BLOCK_M
@@ -84,6 +134,38 @@ def _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.constexpr
     # At least one tile, so that every partition runs the same (possibly fully masked) loop.
     n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
     return b, h, h // group, row0, n_tiles
+
+
+# Persistent schedule (PERSISTENT): program p of P runs the CTA tiles t(k) = k * P + slot(k),
+# slot(k) = p in even rounds k and P - 1 - p in odd ones (a snake: who got the heavier tiles of
+# one round gets the lighter ones of the next), while t(k) < number of tiles. Tile order:
+# under causal the longest row tiles of all heads first (LPT), otherwise heads outermost as in
+# the one-tile grid. Every partition of a program walks the same sequence.
+@gluon.jit
+def _my_tile_count(num_tiles):
+    """How many tiles this program runs: every round but the last is full."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    last = gl.cdiv(num_tiles, nprog) - 1
+    slot = pid + (last & 1) * (nprog - 1 - 2 * pid)
+    return last + (slot < num_tiles - last * nprog).to(gl.int32)
+
+
+@gluon.jit
+def _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """`_coords` of this program's k-th tile (k < _my_tile_count)."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    t = k * nprog + pid + (k & 1) * (nprog - 1 - 2 * pid)
+    num_m = gl.cdiv(seqlen_q, BLOCK_M)
+    if CAUSAL:
+        bh = t % num_bh
+        pid_m = num_m - 1 - t // num_bh
+    else:
+        bh = t // num_m
+        pid_m = num_m - 1 - t % num_m
+    return _coords(bh, pid_m, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
@@ -147,60 +229,65 @@ def _p_operand(p, p_dtype: gl.constexpr, p_layout: gl.constexpr, P_PERM: gl.cons
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
-              PINGPONG: gl.constexpr, FP8: gl.constexpr, P_PERM: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
-     stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales) = args
-    dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = acc_layout(WG_ROWS, BLOCK_N, 4, 32 if FP8 else 16)
-    o_layout: gl.constexpr = acc_layout(WG_ROWS, HEAD_DIM, 4, 32 if FP8 else 16)
-    # P from registers: 32 bits of consecutive k per register (2 halves or 4 bytes).
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
-    p_dtype: gl.constexpr = gl.float8e4nv if FP8 else dtype
-    P_SHIFT: gl.constexpr = P_LOG2_SCALE if FP8 else 0
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
-    b, h, hk, row0, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
-    if FP8:  # q and k descales fold into the logit scale (descales are > 0)
+def _logit_scale(qk_scale, b, h, hk, descales, FP8: gl.constexpr):
+    """The logit scale of head (b, h): fp8's q and k descales fold into it (descales are > 0)."""
+    if FP8:
         (qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh,
          vd_ptr, stride_vdb, stride_vdh) = descales
         qk_scale = gl.maximum(qk_scale * gl.load(qd_ptr + b * stride_qdb + (h // qd_group) * stride_qdh)
                               * gl.load(kd_ptr + b * stride_kdb + hk * stride_kdh), TINY_SCALE)
-    row_lo = row0 + WG * WG_ROWS
-    rows = row_lo + gl.arange(0, WG_ROWS, layout=row_layout)
-    q_tile = q_smem.index(WG)
+    return qk_scale
+
+
+@gluon.jit
+def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_free, rows, row_lo, n_tiles, it,
+            seqlen_k, diag, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr,
+            PINGPONG: gl.constexpr, FP8: gl.constexpr, P_PERM: gl.constexpr, RELEASE_Q: gl.constexpr,
+            RELEASE_V: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """(O unnormalized, m, l) of one warpgroup's 64 query rows over key tiles 0 .. n_tiles - 1.
+
+    Ring position g = it + j holds key tile j (`it`: ring uses before this CTA tile, 0 in the
+    one-tile grid). RELEASE_Q: arrive on q_free once Q is read by no later product; RELEASE_V
+    (persistent): hand back the last V stage too, which the one-tile grid never reuses."""
+    s_layout: gl.constexpr = acc_layout(WG_ROWS, BLOCK_N, 4, 32 if FP8 else 16)
+    o_layout: gl.constexpr = acc_layout(WG_ROWS, HEAD_DIM, 4, 32 if FP8 else 16)
+    # P from registers: 32 bits of consecutive k per register (2 halves or 4 bytes).
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
+    p_dtype: gl.constexpr = gl.float8e4nv if FP8 else q_tile.dtype
+    P_SHIFT: gl.constexpr = P_LOG2_SCALE if FP8 else 0
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([WG_ROWS], gl.float32, row_layout)
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
 
-    mbarrier.wait(q_bar, 0)
     # Tile 0: S only (there is no P yet).
-    mbarrier.wait(k_ready.index(0), 0)
+    first = it % STAGES
+    mbarrier.wait(k_ready.index(first), (it // STAGES) & 1)
     if PINGPONG:
-        mbarrier.wait(turn.index(WG), 0)
-    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(turn.index(WG), it & 1)
+    s = warpgroup_mma(q_tile, k_smem.index(first).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index((WG + 1) % NUM_WG), count=1)
     s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(0), count=1)
+    mbarrier.arrive(k_empty.index(first), count=1)
     p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale, row_lo,
                                          CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT)
     for j in range(1, n_tiles):
-        stage = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        g = it + j
+        stage = g % STAGES
+        prev = (g - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
         if PINGPONG:
-            mbarrier.wait(turn.index(WG), j & 1)
+            mbarrier.wait(turn.index(WG), g & 1)
         s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # While S(j) runs: bring O to tile j-1's running max, then O += P(j-1) V(j-1).
         acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
         p_op = _p_operand(p, p_dtype, p_layout, P_PERM)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_op, _v_operand(v_smem, prev, FP8), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index((WG + 1) % NUM_WG), count=1)
@@ -211,29 +298,52 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
                                              row_lo, CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(prev), count=1)
-    last = (n_tiles - 1) % STAGES
+    if RELEASE_Q:  # every S of this tile is complete: Q may be overwritten
+        mbarrier.arrive(q_free, count=1)
+    g_last = it + n_tiles - 1
+    last = g_last % STAGES
     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
     p_op = _p_operand(p, p_dtype, p_layout, P_PERM)
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(last), (g_last // STAGES) & 1)
     acc = warpgroup_mma(p_op, _v_operand(v_smem, last, FP8), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
+    if RELEASE_V:
+        mbarrier.arrive(v_empty.index(last), count=1)
+    return acc, m_i, l_i
 
-    # Epilogue: empty rows (all keys masked) give 0 and LSE -inf.
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, o_tile, o_desc, o_ptr, stride_ob, stride_oh,
+              stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales,
+              O_TMA: gl.constexpr, FP8: gl.constexpr, WAIT_BEFORE: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Normalize O, store it and the LSE. Empty rows (all keys masked) give 0 and LSE -inf.
+
+    O_TMA: O is staged in `o_tile` and stored by TMA; WAIT_BEFORE: the previous store from
+    `o_tile` is waited for before it is overwritten and this one is left in flight (the caller
+    waits before exiting), otherwise this store is waited for (`o_tile` is free on return)."""
+    P_SHIFT: gl.constexpr = P_LOG2_SCALE if FP8 else 0
+    o_layout: gl.constexpr = acc.type.layout
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i * qk_scale + gl.log2(l_safe) - P_SHIFT) * LN2)
     gl.store(lse_ptr + b.to(gl.int64) * stride_lb + h * stride_lh + rows * stride_lm, lse,
              mask=rows < seqlen_q)
     if FP8:  # the v descale multiplies the output
+        (qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh,
+         vd_ptr, stride_vdb, stride_vdh) = descales
         v_descale = gl.load(vd_ptr + b * stride_vdb + hk * stride_vdh)
         out = acc * gl.convert_layout(v_descale / l_safe, orow_layout)[:, None]
     else:
         out = acc / gl.convert_layout(l_safe, orow_layout)[:, None]
     if O_TMA:
-        q_tile.store(out.to(dtype))  # Q is no longer read: its buffer stages O for the TMA store
+        if WAIT_BEFORE:
+            tma.store_wait(0)
+        o_tile.store(out.to(o_tile.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, h, row_lo, 0], q_tile.reshape([1, 1, WG_ROWS, HEAD_DIM]))
-        tma.store_wait(0)
+        tma.async_copy_shared_to_global(o_desc, [b, h, row_lo, 0], o_tile.reshape([1, 1, WG_ROWS, HEAD_DIM]))
+        if not WAIT_BEFORE:
+            tma.store_wait(0)
     else:  # another output dtype (fp32 partial results of ring attention) or alignment
         o_rows = row_lo + gl.arange(0, WG_ROWS, layout=orow_layout)
         o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -242,53 +352,141 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
 
 
 @gluon.jit
+def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
+              PINGPONG: gl.constexpr, FP8: gl.constexpr, P_PERM: gl.constexpr, PERSISTENT: gl.constexpr,
+              O_BUF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              STAGES: gl.constexpr):
+    (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
+     stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem) = args
+    s_layout: gl.constexpr = acc_layout(WG_ROWS, BLOCK_N, 4, 32 if FP8 else 16)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q_tile = q_smem.index(WG)
+    if PERSISTENT:
+        # Q of tile k arrives on q_bar[WG] (phase k & 1) and is freed on q_empty[WG]: after the
+        # last S of the tile, or after the O store when O is staged in Q's buffer (not O_BUF).
+        # `it` counts this program's ring uses so far: see fwd_ws_kernel for the phases.
+        num_bh = q_desc.shape[0] * nheads_q
+        num_tiles = gl.cdiv(seqlen_q, BLOCK_M) * num_bh
+        it = 0
+        for k in range(_my_tile_count(num_tiles)):
+            b, h, hk, row0, n_tiles = _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL,
+                                               BLOCK_M, BLOCK_N)
+            tile_scale = _logit_scale(qk_scale, b, h, hk, descales, FP8)
+            row_lo = row0 + WG * WG_ROWS
+            rows = row_lo + gl.arange(0, WG_ROWS, layout=row_layout)
+            mbarrier.wait(q_bar.index(WG), k & 1)
+            acc, m_i, l_i = _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                    q_empty.index(WG), rows, row_lo, n_tiles, it, seqlen_k, diag, tile_scale, WG,
+                                    CAUSAL, NEG_SCALE, PINGPONG, FP8, P_PERM, O_BUF or not O_TMA, True,
+                                    BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+            if O_BUF:
+                o_tile = o_smem.index(WG)
+            else:
+                o_tile = q_tile
+            _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, tile_scale, o_tile, o_desc, o_ptr, stride_ob,
+                      stride_oh, stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales,
+                      O_TMA, FP8, O_BUF, HEAD_DIM)
+            if O_TMA and not O_BUF:  # O was staged in Q's buffer and its store has read it
+                mbarrier.arrive(q_empty.index(WG), count=1)
+            it += n_tiles
+        if O_BUF:
+            tma.store_wait(0)
+    else:
+        b, h, hk, row0, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+        qk_scale = _logit_scale(qk_scale, b, h, hk, descales, FP8)
+        row_lo = row0 + WG * WG_ROWS
+        rows = row_lo + gl.arange(0, WG_ROWS, layout=row_layout)
+        mbarrier.wait(q_bar, 0)
+        acc, m_i, l_i = _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_bar,
+                                rows, row_lo, n_tiles, 0, seqlen_k, diag, qk_scale, WG, CAUSAL, NEG_SCALE,
+                                PINGPONG, FP8, P_PERM, False, False, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+        # (With O_TMA, Q is no longer read: its buffer stages O for the TMA store.)
+        _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, q_tile, o_desc, o_ptr, stride_ob, stride_oh,
+                  stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales, O_TMA, FP8, False,
+                  HEAD_DIM)
+
+
+@gluon.jit
 def _consumer0(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, P_PERM: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 0, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+               FP8: gl.constexpr, P_PERM: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    _consumer(args, 0, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
+              HEAD_DIM, STAGES)
 
 
 @gluon.jit
 def _consumer1(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, P_PERM: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 1, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+               FP8: gl.constexpr, P_PERM: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    _consumer(args, 1, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
+              HEAD_DIM, STAGES)
 
 
 @gluon.jit
 def _consumer2(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, P_PERM: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 2, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+               FP8: gl.constexpr, P_PERM: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    _consumer(args, 2, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
+              HEAD_DIM, STAGES)
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, j, g,
+             FP8: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Key tile j of head (b, hk) into ring position g (stage g % STAGES, its use g // STAGES)."""
+    stage = g % STAGES
+    # A fresh mbarrier counts as having completed the phase before phase 0.
+    mbarrier.wait(k_empty.index(stage), ((g // STAGES) & 1) ^ 1)
+    mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(stage),
+                                    k_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+    mbarrier.wait(v_empty.index(stage), ((g // STAGES) & 1) ^ 1)
+    mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+    if FP8:  # V^T: (D, keys) tiles
+        tma.async_copy_global_to_shared(v_desc, [b, hk, 0, j * BLOCK_N], v_ready.index(stage),
+                                        v_smem.index(stage).reshape([1, 1, HEAD_DIM, BLOCK_N]))
+    else:
+        tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(stage),
+                                        v_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
 
 
 @gluon.jit
 def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-              FP8: gl.constexpr, P_PERM: gl.constexpr, BLOCK_M: gl.constexpr,
+              FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales) = args
-    b, h, hk, row0, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
-    mbarrier.expect(q_bar, (BLOCK_M // WG_ROWS) * q_desc.block_type.nbytes)
-    for wg in gl.static_range(BLOCK_M // WG_ROWS):
-        tma.async_copy_global_to_shared(q_desc, [b, h, row0 + wg * WG_ROWS, 0], q_bar,
-                                        q_smem.index(wg).reshape([1, 1, WG_ROWS, HEAD_DIM]))
-    for j in range(n_tiles):
-        stage = j % STAGES
-        # A fresh mbarrier counts as having completed the phase before phase 0.
-        mbarrier.wait(k_empty.index(stage), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(stage),
-                                        k_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
-        mbarrier.wait(v_empty.index(stage), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        if FP8:  # V^T: (D, keys) tiles
-            tma.async_copy_global_to_shared(v_desc, [b, hk, 0, j * BLOCK_N], v_ready.index(stage),
-                                            v_smem.index(stage).reshape([1, 1, HEAD_DIM, BLOCK_N]))
-        else:
-            tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(stage),
-                                            v_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem) = args
+    if PERSISTENT:
+        num_bh = q_desc.shape[0] * nheads_q
+        num_tiles = gl.cdiv(seqlen_q, BLOCK_M) * num_bh
+        it = 0
+        for k in range(_my_tile_count(num_tiles)):
+            b, h, hk, row0, n_tiles = _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL,
+                                               BLOCK_M, BLOCK_N)
+            # Key tile 0 first: its stage frees before this tile's Q buffers do (they wait for
+            # the previous tile's last S, or its O store), so it is in flight meanwhile.
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, 0, it,
+                     FP8, BLOCK_N, HEAD_DIM, STAGES)
+            for wg in gl.static_range(BLOCK_M // WG_ROWS):
+                mbarrier.wait(q_empty.index(wg), (k & 1) ^ 1)
+                mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [b, h, row0 + wg * WG_ROWS, 0], q_bar.index(wg),
+                                                q_smem.index(wg).reshape([1, 1, WG_ROWS, HEAD_DIM]))
+            for j in range(1, n_tiles):
+                _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, j, it + j,
+                         FP8, BLOCK_N, HEAD_DIM, STAGES)
+            it += n_tiles
+    else:
+        b, h, hk, row0, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+        mbarrier.expect(q_bar, (BLOCK_M // WG_ROWS) * q_desc.block_type.nbytes)
+        for wg in gl.static_range(BLOCK_M // WG_ROWS):
+            tma.async_copy_global_to_shared(q_desc, [b, h, row0 + wg * WG_ROWS, 0], q_bar,
+                                            q_smem.index(wg).reshape([1, 1, WG_ROWS, HEAD_DIM]))
+        for j in range(n_tiles):
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, j, j,
+                     FP8, BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
@@ -300,10 +498,29 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
                   CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                   FP8: gl.constexpr, P_PERM: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                  PERSISTENT: gl.constexpr, O_BUF: gl.constexpr):
+    """PERSISTENT: a grid of at most one program per SM, each running CTA tiles in turn (see
+    `_my_tile`); O_BUF (with PERSISTENT and O_TMA): O is staged in its own buffer instead of
+    Q's, so the next tile's Q loads while this tile's O is stored (`persistent_o_buffer`).
+
+    Barrier phases. Ring position g (this program's g-th key tile over all its CTA tiles;
+    g = j in the one-tile grid) uses stage g % STAGES for the (g // STAGES)-th time: k_ready /
+    v_ready complete one phase per use (expect + TMA bytes), so consumers wait parity
+    (g // STAGES) & 1; k_empty / v_empty complete one phase per use when all NUM_WG warpgroups
+    have arrived, and the producer's use u waits for the release of use u - 1, parity
+    (u & 1) ^ 1 (u = 0: the phase before phase 0, complete on a fresh barrier). Every use is
+    released (persistent: the last V stage of a tile too), so the counts never drift, and no
+    side runs more than one phase ahead (the producer waits for each release, the consumers
+    for each load), which is what a parity wait can tell apart. Persistent Q: q_bar[wg] and
+    q_empty[wg] complete one phase per CTA tile k: consumers wait parity k & 1, the producer
+    (k & 1) ^ 1. Ping-pong `turn[wg]` completes one phase per key tile (the other warpgroup's
+    arrive after its products; warpgroup 0's first from the init), so its parity is g & 1 over
+    the tiles too: all warpgroups run the same key tiles, a tile boundary changes nothing."""
     NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
     gl.static_assert(BLOCK_M == NUM_WG * WG_ROWS and NUM_WG >= 2 and NUM_WG <= 3,
                      "two or three consumer warpgroups of 64 rows each")
+    gl.static_assert(not O_BUF or (PERSISTENT and O_TMA), "O_BUF: a persistent kernel's TMA-stored O")
     dtype: gl.constexpr = q_desc.dtype
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -314,13 +531,27 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], vt_layout)
     else:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if O_BUF:
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, WG_ROWS, HEAD_DIM], tile_layout)
+    else:
+        o_smem = q_smem  # (unused)
+    if PERSISTENT:  # one Q barrier pair per warpgroup: each frees and gets its Q rows on its own
+        q_bar = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    else:
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    if PERSISTENT:
+        for wg in gl.static_range(NUM_WG):
+            mbarrier.init(q_bar.index(wg), count=1)
+            mbarrier.init(q_empty.index(wg), count=1)
+    else:
+        mbarrier.init(q_bar, count=1)
+        q_empty = q_bar  # (unused)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -334,20 +565,27 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
             stride_lh, stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
             seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale,
             (qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh, vd_ptr, stride_vdb,
-             stride_vdh))
+             stride_vdh), q_empty, o_smem)
     # (The constexpr arguments are spelled out per partition: a tuple variable would not keep them constexpr.)
     if NUM_WG == 3:  # FA3's 192-row tile for small head dims: a third warpgroup hides more softmax
         gl.warp_specialize([
-            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-            (_consumer2, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer2, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES)),
+            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
+                         HEAD_DIM, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES)),
+            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
+                         HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -386,14 +624,17 @@ def _transposed(v, key_perm: bool = False):
 
 def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: float,
            block_m: int, block_n: int, num_stages: int, pingpong: bool = True,
-           descales: tuple | None = None, p_perm: bool | None = None) -> None:
+           descales: tuple | None = None, persistent: bool = False, p_perm: bool | None = None) -> None:
     """q/k/v: (B, H, S, D) views with 16-byte aligned strides; o: (B, Hq, Sq, D) view of any
     float dtype and strides (a TMA store when it is q's dtype and aligned); lse: (B, Hq, Sq) fp32.
 
     float8 e4m3 q/k/v: `descales` = (q, k, v) fp32 views (B|1, H|1, 1) (fmha.fp8.check_descales;
     q's H is Hq or Hk, None is 1); V is transposed into a scratch buffer first (fp8 wgmma
     reads its B operand K-major), one extra pass over V. p_perm (fp8; default `P_PERM`): the
-    keys of P and of V^T permuted within blocks of 32 instead of a layout conversion of P."""
+    keys of P and of V^T permuted within blocks of 32 instead of a layout conversion of P.
+
+    persistent: one program per SM (`programs_per_sm`) walks the CTA tiles (fwd_ws_kernel's
+    PERSISTENT), instead of one program per tile."""
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
@@ -403,6 +644,13 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     o_tma = o.dtype == q.dtype and tma_aligned(o)
     fp8 = q.dtype == torch.float8_e4m3fn
     p_perm = fp8 and (P_PERM if p_perm is None else p_perm)
+    o_buf = False
+    if persistent:
+        elem = q.element_size()
+        o_buf = o_tma and persistent_o_buffer(head_dim, block_m, block_n, num_stages, elem)
+        device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        per_sm = programs_per_sm(head_dim, block_m, block_n, num_stages, elem, o_buf)
+        grid = (min(grid[0], _sm_count(device) * per_sm),)
     if fp8:
         v_desc = descriptor(_transposed(v, p_perm), head_dim, block_n)
         descales = descales or (None, None, None)
@@ -423,17 +671,18 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE.value),
         *fp8_args,
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, P_PERM=p_perm,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-        num_warps=4, maxnreg=maxnreg,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=producer_regs, PERSISTENT=persistent, O_BUF=o_buf, num_warps=4, maxnreg=maxnreg,
     )
 
 
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
-                 causal: bool, pingpong: bool, p_perm: bool | None = None) -> tuple[dict, dict, dict]:
+                 causal: bool, pingpong: bool, persistent: bool = False,
+                 p_perm: bool | None = None) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `fwd_ws_kernel` as `launch` calls it, for an
     ahead-of-time compile (fmha kernels build) without a GPU. dtype: "fp16", "bf16" or
-    "fp8e4nv" (bf16 output); p_perm as `launch`'s."""
+    "fp8e4nv" (bf16 output). persistent: the kernel `launch(..., persistent=True)` runs;
+    p_perm as `launch`'s."""
     fp8 = dtype == "fp8e4nv"
     p_perm = fp8 and (P_PERM if p_perm is None else p_perm)
 
@@ -446,9 +695,9 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
              "o_desc": desc(WG_ROWS.value), "o_ptr": f"*{out}", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     maxnreg, consumer_regs, producer_regs = registers(block_m)
     constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=not fp8, PINGPONG=pingpong, FP8=fp8, P_PERM=p_perm,
-                      BLOCK_M=block_m,
-                      BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
-                      PRODUCER_REGS=producer_regs)
+                      BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
+                      CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PERSISTENT=persistent,
+                      O_BUF=persistent and not fp8 and persistent_o_buffer(head_dim, block_m, block_n, num_stages))
     if fp8:
         types.update(qd_ptr="*fp32", kd_ptr="*fp32", vd_ptr="*fp32")
     else:
