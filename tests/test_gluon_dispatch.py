@@ -164,24 +164,6 @@ def test_gluon_backward_compiles_for_sm90_with_dq_by_tma_reduce(tmp_path, monkey
         assert "red.global" not in ptx and "atom.global" not in ptx
 
 
-def test_late_handover_backward_compiles_for_sm90(tmp_path, monkeypatch):
-    """The D=64 warp-specialized dK/dV with its dQ hand-over one tile late (an experiment: SHAPES
-    late_handover=1) compiles ahead of time; off, the constexpr is False."""
-    from fmha.kernels import bwd_gluon
-
-    assert bwd_gluon.compile_spec("bf16", 64, 64, 128, 3, causal=True,
-                                  warp_specialized=True)[1]["LATE_HANDOVER"] is False
-    shapes = {p: {d: dict(s) for d, s in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
-    shapes["gluon_ws"][64]["late_handover"] = 1
-    monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
-    assert bwd_gluon.compile_spec("bf16", 64, 64, 128, 3, causal=True,
-                                  warp_specialized=True)[1]["LATE_HANDOVER"] is True
-    config = next(c for c in default_registry() if c.algorithm.pipeline == Pipeline.GLUON_WS
-                  and c.family == Family.BWD_DQ_DK_DV and c.signature.head_dims == (64,))
-    for kernel in _built_for_sm90(config, tmp_path, monkeypatch):
-        assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in _ptx(kernel)
-
-
 def test_gluon_d256_backward_compiles_for_sm90(tmp_path, monkeypatch):
     """64 keys x 64 queries with dQ formed in two column halves: fits the shared memory."""
     config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon

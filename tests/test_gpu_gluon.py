@@ -170,18 +170,6 @@ def _check_backward_with_shape(rng, monkeypatch, pipeline, head_dim, mask, shape
         check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
 
 
-@pytest.mark.parametrize("dq", ["tma", "atomics"])
-@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
-@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1533), (1, 2, 2, 700, 77), (1, 4, 4, 2048, 2048)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_gluon_ws_backward_late_handover(rng, monkeypatch, dq, mask, shape):
-    """The warp-specialized dK/dV kernel at D=64 with its dQ hand-over one tile late
-    (SHAPES late_handover=1, off by default): GQA (a key tile loops over 4 heads' query tiles),
-    key tiles without queries (causal_top_left, Sq < Sk) and partial tiles."""
-    _check_backward_with_shape(rng, monkeypatch, "gluon_ws", 64, mask, shape, dq_tma=int(dq == "tma"),
-                               late_handover=1)
-
-
 def test_warp_specialized_backward_is_chosen_at_d64(rng):
     q, k, v, kw = _masked_problem(rng, torch.bfloat16, 64, "causal", (1, 4, 4, 1024, 1024))
     line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
@@ -275,3 +263,4 @@ def test_gluon_persistent_fp8(rng, monkeypatch, head_dim, causal):
                ((2, 8, 777, head_dim), (2, 2, 1500, head_dim), (2, 2, 1500, head_dim)))
     run_and_check(q, k, v, granularity="head", causal=causal, gpu=True)
     _check_persistent_grid(seen, 6)
+

@@ -17,7 +17,7 @@ Two specializations per variant:
 --ws: the warp-specialized kernel (pipeline gluon_ws, its registry configs) instead.
 --hdims: only these head dims.
 --shape k=v+k=v: the pipeline's kernel shape (`bwd_gluon.SHAPES`) changed so at every head dim,
-    as bench_gluon_bwd's variants do, e.g. --ws --hdims 64 --shape late_handover=1.
+    as bench_gluon_bwd's variants do, e.g. --ws --hdims 64 --shape dq_bufs=1.
 --module FILE: compile another version of kernels/bwd_gluon.py, e.g. the committed one:
     git show HEAD:src/fmha/kernels/bwd_gluon.py > /tmp/bwd_head.py; ... --module /tmp/bwd_head.py
 --dump DIR keeps PTX and SASS per variant. The main loop is the backward branch of the SASS

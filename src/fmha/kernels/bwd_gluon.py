@@ -399,23 +399,9 @@ def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl
 
 
 @gluon.jit
-def _ws_handover(dq, dq_smem, dq_full, dq_empty, empty, it, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,
-                 DQ_TMA: gl.constexpr):
-    """Tile `it`'s dQ into a hand-over buffer for the writer; its Q/dO stage released."""
-    buf = it % DQ_BUFS
-    mbarrier.wait(dq_empty.index(buf), ((it // DQ_BUFS) & 1) ^ 1)
-    dq_smem.index(buf).store(dq)
-    if DQ_TMA:
-        fence_async_shared()  # the writer's TMA reads the buffer
-    gl.thread_barrier()  # dQ stored by every warp; every product reading Q, dO and dS is done
-    mbarrier.arrive(dq_full.index(buf), count=1)
-    mbarrier.arrive(empty.index(it % STAGES), count=1)
-
-
-@gluon.jit
 def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
-                DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, LATE_HANDOVER: gl.constexpr):
+                DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
@@ -437,7 +423,6 @@ def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.c
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-    dq_prev = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
     mbarrier.wait(kv_bar, 0)
     for it in range(group * n_m):
         stage = it % STAGES
@@ -449,9 +434,6 @@ def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.c
         mbarrier.wait(ready.index(stage), phase)
         st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        if LATE_HANDOVER:  # the last tile's dQ leaves while this tile's S^T and dP^T run
-            if it > 0:
-                _ws_handover(dq_prev, dq_smem, dq_full, dq_empty, empty, it - 1, STAGES, DQ_BUFS, DQ_TMA)
         queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
         lse2 = _lse_row(lse, lse_smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q, stride_lb, stride_lh,
                         stride_lm, st_layout, STATS_TMA, BLOCK_M)
@@ -467,34 +449,22 @@ def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.c
         ds_smem.store(dst16)
         fence_async_shared()
         gl.thread_barrier()  # dS^T complete in shared memory (both warpgroups' key rows)
-        if LATE_HANDOVER:
-            gl.static_assert(DQ_COLS == HEAD_DIM, "one dQ product per tile")
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-            # A fresh copy (FADD): the product's own registers, carried over the back-edge, make
-            # ptxas inject a wgmma wait (C7517) before the hand-over's stores, i.e. wait for this
-            # tile's S^T and dP^T first, which undoes the overlap.
-            dq_prev = dq + 0.0
-        else:
-            buf = it % DQ_BUFS
-            dq_buf = dq_smem.index(buf)
-            for c in gl.static_range(HEAD_DIM // DQ_COLS):
-                dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(c * DQ_COLS, DQ_COLS, dim=1), dq_zero,
-                                   use_acc=False, is_async=True)
-                if c == 0:
-                    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-                    mbarrier.wait(dq_empty.index(buf), ((it // DQ_BUFS) & 1) ^ 1)
-                else:
-                    dq = warpgroup_mma_wait(0, deps=(dq,))
-                dq_buf.slice(c * DQ_COLS, DQ_COLS, dim=1).store(dq)
-            if DQ_TMA:
-                fence_async_shared()  # the writer's TMA reads the buffer
-            gl.thread_barrier()  # dQ stored by every warp; every product reading Q, dO and dS is done
-            mbarrier.arrive(dq_full.index(buf), count=1)
-            mbarrier.arrive(empty.index(stage), count=1)
-    if LATE_HANDOVER:  # the last tile's dQ
-        if group * n_m > 0:
-            _ws_handover(dq_prev, dq_smem, dq_full, dq_empty, empty, group * n_m - 1, STAGES, DQ_BUFS, DQ_TMA)
+        buf = it % DQ_BUFS
+        dq_buf = dq_smem.index(buf)
+        for c in gl.static_range(HEAD_DIM // DQ_COLS):
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(c * DQ_COLS, DQ_COLS, dim=1), dq_zero,
+                               use_acc=False, is_async=True)
+            if c == 0:
+                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+                mbarrier.wait(dq_empty.index(buf), ((it // DQ_BUFS) & 1) ^ 1)
+            else:
+                dq = warpgroup_mma_wait(0, deps=(dq,))
+            dq_buf.slice(c * DQ_COLS, DQ_COLS, dim=1).store(dq)
+        if DQ_TMA:
+            fence_async_shared()  # the writer's TMA reads the buffer
+        gl.thread_barrier()  # dQ stored by every warp; every product reading Q, dO and dS is done
+        mbarrier.arrive(dq_full.index(buf), count=1)
+        mbarrier.arrive(empty.index(stage), count=1)
     _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
                 stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
 
@@ -509,13 +479,10 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
                        seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale,
                        CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
-                       DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr,
-                       LATE_HANDOVER: gl.constexpr):
+                       DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
     """Arguments as bwd_dkdv_kernel's (dq_acc 16-byte aligned, strides multiples of 4; with
     DQ_TMA its descriptor, blocks of BLOCK_M x HEAD_DIM). DQ_BUFS: dQ hand-over buffers in shared
-    memory; DQ_COLS: dQ columns per product; LATE_HANDOVER: tile i-1's dQ handed over (and its
-    Q/dO stage released) while tile i's S^T and dP^T products run, in one product per tile
-    (DQ_COLS == HEAD_DIM)."""
+    memory; DQ_COLS: dQ columns per product."""
     dtype: gl.constexpr = q_desc.dtype
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -553,7 +520,7 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
                 qk_scale, scale)
     gl.warp_specialize([
         (_ws_compute, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS,
-                       DQ_COLS, DQ_TMA, LATE_HANDOVER)),
+                       DQ_COLS, DQ_TMA)),
         (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
         (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA)),
     ], [1, 2], [WORKER_REGS, WORKER_REGS])
@@ -567,14 +534,10 @@ def dq_columns(head_dim: int) -> int:
 # atomics, attempt 25); dq_alias: its two column halves staged in the tile's Q and dO buffers
 # (D=256: a separate buffer does not fit next to its 218 KB).
 # Warp-specialized: dQ hand-over buffers (D=128: one, so 3 stages fit) and dQ columns per
-# product (64-column products measured 3% slower at D=128, attempt 22); late_handover: tile
-# i-1's dQ hand-over under tile i's S^T/dP^T products (LATE_HANDOVER; an experiment, not yet
-# measured, so off; needs dq_cols == head dim; compiled for sm_90: no spills at D=64, 16-44
-# bytes at D=128 causal, no wgmma serialization).
+# product (64-column products measured 3% slower at D=128, attempt 22).
 SHAPES = {
     "gluon": {64: dict(dq_tma=1), 128: dict(dq_tma=1), 256: dict(dq_tma=1, dq_alias=1)},
-    "gluon_ws": {64: dict(dq_bufs=2, dq_cols=64, dq_tma=1, late_handover=0),
-                 128: dict(dq_bufs=1, dq_cols=128, dq_tma=1, late_handover=0)},
+    "gluon_ws": {64: dict(dq_bufs=2, dq_cols=64, dq_tma=1), 128: dict(dq_bufs=1, dq_cols=128, dq_tma=1)},
 }
 
 
@@ -624,8 +587,7 @@ def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, d
     common = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
                   STATS_TMA=stats_tma)
     if warp_specialized:  # the writer reduces the whole handed-over tile
-        constexprs = dict(common, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"], DQ_TMA=dq_tma,
-                          LATE_HANDOVER=bool(shape.get("late_handover")))
+        constexprs = dict(common, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"], DQ_TMA=dq_tma)
         return bwd_dkdv_ws_kernel, constexprs, {"num_warps": 8, "maxnreg": 168}, head_dim
     dq_cols = shape.get("dq_cols", dq_columns(head_dim))
     constexprs = dict(common, DQ_V2=dq_v2, DQ_COLS=dq_cols, DQ_TMA=dq_tma,
