@@ -100,31 +100,6 @@ def test_fp8_gluon_forward(rng, case):
     run_and_check(q, k, v, granularity=granularity, layout=layout, out_dtype=out_dtype, gpu=True, **kw)
 
 
-
-@pytest.mark.parametrize("p_perm", [False, True])
-@pytest.mark.parametrize("case", ["decode_row", "bottom_right_sq_lt_sk_d64", "top_left_sq_gt_sk_d256",
-                                  "bshd_fp32_out"])
-def test_fp8_gluon_forward_with_and_without_key_permutation(rng, monkeypatch, case, p_perm):
-    """Both ways of giving P to P V (kernels/fwd_gluon.py P_PERM: P's and V^T's keys permuted
-    within blocks of 32, or P's layout converted) meet the fp8 bound, and agree to fp8 MMA
-    rounding: key counts not a multiple of 32 (the permuted V^T's zero padding), D 64/128/256."""
-    from fmha.kernels import fwd_gluon
-
-    B, Hq, Hk, Sq, Sk, D, layout, out_dtype, granularity, kw = GLUON_CASES[case]
-
-    def shape(h, s):
-        return (B, h, s, D) if layout == "bhsd" else (B, s, h, D)
-
-    q, k, v = _x(shape(Hq, Sq), rng), _x(shape(Hk, Sk), rng, 2.0), _x(shape(Hk, Sk), rng)
-    monkeypatch.setattr(fwd_gluon, "P_PERM", p_perm)
-    run_and_check(q, k, v, granularity=granularity, layout=layout, out_dtype=out_dtype, gpu=True, **kw)
-    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(t, E4M3, granularity, layout=layout) for t in (q, k, v))
-    args = dict(layout=layout, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=out_dtype, **kw)
-    got = fmha.attention(q8, k8, v8, **args).float()
-    monkeypatch.setattr(fwd_gluon, "P_PERM", not p_perm)
-    other = fmha.attention(q8, k8, v8, **args).float()
-    assert float((got - other).abs().max()) <= 2.0**-6 * float(other.abs().max())
-
 def test_fp8_q_descale_per_kv_head_equals_its_expansion(rng):
     """q_descale (B, Hk) (FlashAttention 3's convention under GQA) gives exactly the result
     of the same values repeated to (B, Hq)."""

@@ -8,12 +8,7 @@ Gluon fp8 tiles (each through a one-config registry ahead of the default one) so
 registry's fp8 rows can be tuned from one run. Also checks the fp8 output against bf16,
 and times decode (B=32, Hq=32, Hk=8, S=8192) over a bf16 cache and over an fp8 cache.
 
---p-perm-ab: every Gluon fp8 contender twice, with P's keys permuted (kernels/fwd_gluon.py
-P_PERM, the default) and as "... [P conv]" with the layout conversion of P instead (and the
-plain V^T), alternating in the same rounds; prints the old/new time ratio. --no-decode skips
-the decode rows.
-
-    PYTHONPATH=src python tools/fp8_bench.py OUT.json [--rounds 3] [--sweep] [--p-perm-ab] [--no-decode]
+    PYTHONPATH=src python tools/fp8_bench.py OUT.json [--rounds 3] [--sweep]
 """
 
 from __future__ import annotations
@@ -27,7 +22,6 @@ import triton
 
 import fmha
 from fmha.configs import Algorithm, Family, KernelConfig, Pipeline, Signature
-from fmha.kernels import fwd_gluon
 from fmha.problem import DType
 from fmha.registry import _gluon_config
 
@@ -52,23 +46,11 @@ def triton_candidate(head_dim: int) -> KernelConfig:
     return KernelConfig(Signature(Family.FWD, FP8, (arch,), head_dim), Algorithm(*TRITON_TILE[head_dim]))
 
 
-def with_p_perm(fn, p_perm: bool):
-    """fn run with the Gluon fp8 forward's P_PERM set to p_perm (restored after)."""
-    def call():
-        saved, fwd_gluon.P_PERM = fwd_gluon.P_PERM, p_perm
-        try:
-            return fn()
-        finally:
-            fwd_gluon.P_PERM = saved
-    return call
-
-
 def main() -> int:
     args = sys.argv[1:]
     out = args[0] if args and not args[0].startswith("--") else "fp8_bench.json"
     rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 3
     sweep = "--sweep" in args
-    p_perm_ab = "--p-perm-ab" in args
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(env)
@@ -78,12 +60,6 @@ def main() -> int:
         gen = torch.Generator(device="cuda").manual_seed(D)
         q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
         (q8, qd), (k8, kd), (v8, vd) = (fmha.quantize_fp8(t, torch.float8_e4m3fn, "head") for t in (q, k, v))
-        if p_perm_ab:  # the host's V^T scratch alone (part of every fp8 call's time): plain vs keys permuted
-            for key_perm in (False, True):
-                ms = triton.testing.do_bench(lambda kp=key_perm: fwd_gluon._transposed(v8, kp), warmup=25, rep=100,
-                                             return_mode="median")
-                results.append(dict(B=B, H=H, S=S, D=D, contender=f"V^T scratch key_perm={key_perm}", ms=ms))
-                print(f"D={D} V^T scratch key_perm={key_perm!s:<5} {ms:7.3f} ms")
         for causal in (False, True):
             flops = 4 * B * H * S * S * D / (2 if causal else 1)
             runs = {"bf16": (None, lambda: fmha.attention(q, k, v, causal=causal))}
@@ -96,11 +72,6 @@ def main() -> int:
                 for n, st, pipe in SWEEP[D]:
                     runs[f"fp8_e4m3 gluon n{n}s{st} {pipe.value}"] = (
                         dispatcher_with(gluon_candidate(D, n, st, pipe), f"n{n}s{st}{pipe.value}"), fp8_call)
-            if p_perm_ab:  # (the Triton contender has no P_PERM)
-                for name in [n for n in runs if n.startswith("fp8_e4m3") and "triton" not in n]:
-                    dispatcher, fn = runs[name]
-                    runs[name] = (dispatcher, with_p_perm(fn, True))
-                    runs[f"{name} [P conv]"] = (dispatcher, with_p_perm(fn, False))
             times: dict[str, list[float]] = {}
             errors: dict[str, str] = {}
             for _ in range(rounds):
@@ -134,17 +105,9 @@ def main() -> int:
                     f"ERROR {row['error']}" if "error" in row else
                     f"{row['ms']:7.3f} ms {row['tflops']:7.1f} TFLOP/s  x{row['speedup_vs_bf16']:.2f} vs bf16"))
             print(f"   fp8 vs bf16 output: relative L2 difference {rel:.4f}")
-            for row in [r for r in results if r.get("contender", "").endswith(" [P conv]") and "ms" in r
-                        and r["D"] == D and r["causal"] == causal]:
-                new_row = next((r for r in results if r["D"] == D and r.get("causal") == causal and "ms" in r
-                                and r["contender"] == row["contender"][:-len(" [P conv]")]), None)
-                if new_row is not None:
-                    row["p_perm_speedup"] = row["ms"] / new_row["ms"]
-                    print(f"   {new_row['contender']}: P_PERM x{row['p_perm_speedup']:.3f} vs the P conversion")
             with open(out, "w") as f:
                 json.dump(dict(env=env, results=results), f, indent=2)
-    if "--no-decode" not in args:
-        results.extend(decode(rounds))
+    results.extend(decode(rounds))
     with open(out, "w") as f:
         json.dump(dict(env=env, results=results), f, indent=2)
     return 0

@@ -104,22 +104,18 @@ def launch_sources(head_dim: int, block_m: int, block_n: int, stages: int, causa
     return signature, constexprs, attrs, options
 
 
-def loop_counts(sass: str, names: list[str] | None = None, innermost: bool = False) -> dict:
-    """Opcode counts (of `names`, default COUNTED) inside the backward branch that encloses
-    the most HGMMA (or fp8 QGMMA) instructions; innermost: the shortest backward branch that
-    encloses any, among the conditional ones (a loop nested in a warp-specialized partition's
-    loop; the unconditional branches back from out-of-line mbarrier waits are not loops)."""
+def loop_counts(sass: str) -> dict:
+    """Opcode counts inside the backward branch that encloses the most HGMMA instructions."""
     instrs = [(int(m.group(1), 16), m.group(3), m.group(4), (m.group(2) or "").strip())
               for m in map(_LINE.search, sass.splitlines()) if m]
-    best, best_score = None, None
-    for addr, op, operands, pred in instrs:
+    best, best_hgmma = None, -1
+    for addr, op, operands, _ in instrs:
         if op.startswith("BRA") and (target := re.match(r"\s*(?:`\()?(0x[0-9a-f]+)", operands)):
             start = int(target.group(1), 16)
-            if start < addr and (pred or not innermost):
-                n = sum(1 for a, o, _, _ in instrs if start <= a <= addr and o.startswith(("HGMMA", "QGMMA")))
-                score = (n > 0, start - addr) if innermost else (n,)
-                if best_score is None or score > best_score:
-                    best, best_score = (start, addr), score
+            if start < addr:
+                n = sum(1 for a, o, _, _ in instrs if start <= a <= addr and o.startswith("HGMMA"))
+                if n > best_hgmma:
+                    best, best_hgmma = (start, addr), n
     counts = collections.Counter()
     if best is None:
         return {}
@@ -127,7 +123,7 @@ def loop_counts(sass: str, names: list[str] | None = None, innermost: bool = Fal
         if best[0] <= addr <= best[1] and pred != "@!PT":  # @!PT: never issued (ptxas padding)
             counts[op.split(".")[0]] += 1
             counts["total"] += 1
-    return {name: counts[name] for name in (names or COUNTED) + ["total"]}
+    return {name: counts[name] for name in COUNTED + ["total"]}
 
 
 def compile_variant(head_dim, block_m, block_n, stages, causal, mode, dump: Path | None, seqlen: int,

@@ -98,13 +98,6 @@ def _sm_count(device: int) -> int:
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
 # fp8: P is rounded to e4m3 as P * 2**8 (fmha.fp8.P_SCALE; 256 < e4m3's 448), cancelled by l.
 P_LOG2_SCALE = gl.constexpr(8)
-# fp8: P enters P V with its keys permuted within blocks of 32 (FlashAttention-3's trick, see
-# `_p_operand`), V^T's keys the same way (`_transposed`), instead of a layout conversion of P
-# (shuffles and byte permutes on the softmax's critical path). `launch`'s and `compile_spec`'s
-# default; False keeps the conversion (A/B measurement: tools/fp8_bench.py --p-perm-ab).
-P_PERM = True
-KEY_PERM_BLOCK = gl.constexpr(32)
-
 
 
 @gluon.jit
@@ -208,27 +201,6 @@ def _v_operand(v_smem, stage, FP8: gl.constexpr):
 
 
 @gluon.jit
-def _p_operand(p, p_dtype: gl.constexpr, p_layout: gl.constexpr, P_PERM: gl.constexpr):
-    """P (wgmma accumulator layout, fp32) as the register A operand of P V.
-
-    P_PERM (fp8): within each 32 keys, the accumulator gives thread t = lane % 4 the columns
-    c = 16h + 8j + 2t + e (h, j, e in {0, 1}) and the e4m3 k32 A fragment wants a = 16h + 4t +
-    2j + e: the same count per thread. Renaming column c to a (a reshape and permute, free in
-    registers) turns P into P[:, key_perm] already in the A layout, so the conversion is a
-    register renaming instead of shuffles and byte permutes; V^T's keys are permuted the same
-    way on the host (`_transposed`), so P[:, key_perm] V[key_perm] = P V."""
-    p = p.to(p_dtype)
-    if P_PERM:
-        M: gl.constexpr = p.shape[0]
-        N: gl.constexpr = p.shape[1]
-        gl.static_assert(N % KEY_PERM_BLOCK == 0, "P_PERM: BLOCK_N a multiple of 32")
-        p = p.reshape([M, N // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([M, N])
-        return gl.convert_layout(p, p_layout, assert_trivial=True)  # a compile error if it moved data
-    else:
-        return gl.convert_layout(p, p_layout)
-
-
-@gluon.jit
 def _logit_scale(qk_scale, b, h, hk, descales, FP8: gl.constexpr):
     """The logit scale of head (b, h): fp8's q and k descales fold into it (descales are > 0)."""
     if FP8:
@@ -242,8 +214,7 @@ def _logit_scale(qk_scale, b, h, hk, descales, FP8: gl.constexpr):
 @gluon.jit
 def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_free, rows, row_lo, n_tiles, it,
             seqlen_k, diag, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr,
-            PINGPONG: gl.constexpr, FP8: gl.constexpr, P_PERM: gl.constexpr, RELEASE_Q: gl.constexpr,
-            RELEASE_V: gl.constexpr,
+            PINGPONG: gl.constexpr, FP8: gl.constexpr, RELEASE_Q: gl.constexpr, RELEASE_V: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """(O unnormalized, m, l) of one warpgroup's 64 query rows over key tiles 0 .. n_tiles - 1.
 
@@ -286,7 +257,7 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
         s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # While S(j) runs: bring O to tile j-1's running max, then O += P(j-1) V(j-1).
         acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
-        p_op = _p_operand(p, p_dtype, p_layout, P_PERM)
+        p_op = gl.convert_layout(p.to(p_dtype), p_layout)
         mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_op, _v_operand(v_smem, prev, FP8), acc, is_async=True)
         if PINGPONG:
@@ -303,7 +274,7 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
     g_last = it + n_tiles - 1
     last = g_last % STAGES
     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
-    p_op = _p_operand(p, p_dtype, p_layout, P_PERM)
+    p_op = gl.convert_layout(p.to(p_dtype), p_layout)
     mbarrier.wait(v_ready.index(last), (g_last // STAGES) & 1)
     acc = warpgroup_mma(p_op, _v_operand(v_smem, last, FP8), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -353,9 +324,8 @@ def _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, o_tile, o_desc, o
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
-              PINGPONG: gl.constexpr, FP8: gl.constexpr, P_PERM: gl.constexpr, PERSISTENT: gl.constexpr,
-              O_BUF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr):
+              PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
      seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem) = args
@@ -378,7 +348,7 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
             mbarrier.wait(q_bar.index(WG), k & 1)
             acc, m_i, l_i = _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                     q_empty.index(WG), rows, row_lo, n_tiles, it, seqlen_k, diag, tile_scale, WG,
-                                    CAUSAL, NEG_SCALE, PINGPONG, FP8, P_PERM, O_BUF or not O_TMA, True,
+                                    CAUSAL, NEG_SCALE, PINGPONG, FP8, O_BUF or not O_TMA, True,
                                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
             if O_BUF:
                 o_tile = o_smem.index(WG)
@@ -400,7 +370,7 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
         mbarrier.wait(q_bar, 0)
         acc, m_i, l_i = _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_bar,
                                 rows, row_lo, n_tiles, 0, seqlen_k, diag, qk_scale, WG, CAUSAL, NEG_SCALE,
-                                PINGPONG, FP8, P_PERM, False, False, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+                                PINGPONG, FP8, False, False, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
         # (With O_TMA, Q is no longer read: its buffer stages O for the TMA store.)
         _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, q_tile, o_desc, o_ptr, stride_ob, stride_oh,
                   stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales, O_TMA, FP8, False,
@@ -409,26 +379,26 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
 
 @gluon.jit
 def _consumer0(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, P_PERM: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 0, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-              HEAD_DIM, STAGES)
+               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    _consumer(args, 0, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N, HEAD_DIM,
+              STAGES)
 
 
 @gluon.jit
 def _consumer1(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, P_PERM: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 1, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-              HEAD_DIM, STAGES)
+               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    _consumer(args, 1, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N, HEAD_DIM,
+              STAGES)
 
 
 @gluon.jit
 def _consumer2(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, P_PERM: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 2, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-              HEAD_DIM, STAGES)
+               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    _consumer(args, 2, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N, HEAD_DIM,
+              STAGES)
 
 
 @gluon.jit
@@ -496,7 +466,7 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
                   qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh,
                   vd_ptr, stride_vdb, stride_vdh,
                   CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-                  FP8: gl.constexpr, P_PERM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  FP8: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                   PERSISTENT: gl.constexpr, O_BUF: gl.constexpr):
@@ -569,69 +539,45 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
     # (The constexpr arguments are spelled out per partition: a tuple variable would not keep them constexpr.)
     if NUM_WG == 3:  # FA3's 192-row tile for small head dims: a third warpgroup hides more softmax
         gl.warp_specialize([
-            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES)),
-            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES)),
-            (_consumer2, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
+                          HEAD_DIM, STAGES)),
+            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
+                          HEAD_DIM, STAGES)),
+            (_consumer2, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
+                          HEAD_DIM, STAGES)),
             (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
                          HEAD_DIM, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES)),
-            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, P_PERM, PERSISTENT, O_BUF, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
+                          HEAD_DIM, STAGES)),
+            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
+                          HEAD_DIM, STAGES)),
             (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
                          HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _transposed(v, key_perm: bool = False):
+def _transposed(v):
     """V^T as a (B, Hk, D, Sk) view of a buffer whose rows are padded to 16 bytes (TMA); the
-    descriptor's extent is Sk, so TMA zero-fills the keys past the end.
-
-    key_perm (the kernel's P_PERM): (B, Hk, D, Sk rounded up to 32), the keys of each block of
-    32 in the order P's A fragment gives them: position a = 16h + 4t + 2j + e holds key
-    c = 16h + 8j + 2t + e. The keys past Sk are zeros in the buffer (the extent covers them: a
-    key of the last block may sit past Sk), so the masked P = 0 meets a finite V."""
+    descriptor's extent is Sk, so TMA zero-fills the keys past the end."""
     batch, heads, seqlen, head_dim = v.shape
-    if not key_perm:
-        padded = -(-seqlen // 16) * 16
-        vt = v.new_empty((batch, heads, head_dim, padded))[..., :seqlen]
-        vt.view(torch.uint8).copy_(v.view(torch.uint8).transpose(2, 3))  # a byte copy: any fp8 view
-        return vt
-    block = KEY_PERM_BLOCK.value
-    full = seqlen - seqlen % block
-    vt = v.new_empty((batch, heads, head_dim, full + (block if full < seqlen else 0)))
-    src, dst = v.view(torch.uint8), vt.view(torch.uint8)
-
-    def permuted_copy(dst, src):  # dst (B, Hk, D, n * 32) <- src (B, Hk, n * 32, D), keys permuted
-        n = src.shape[2] // block
-        dst.view(batch, heads, head_dim, n, 2, 4, 2, 2).copy_(  # (h, t, j, e) <- (h, j, t, e)
-            src.reshape(batch, heads, n, 2, 2, 4, 2, head_dim).permute(0, 1, 7, 2, 3, 5, 4, 6))
-
-    if full:
-        permuted_copy(dst[..., :full], src[:, :, :full])
-    if full < seqlen:  # the last, partial block through a zero-padded copy
-        tail = torch.zeros((batch, heads, block, head_dim), dtype=torch.uint8, device=v.device)
-        tail[:, :, :seqlen - full] = src[:, :, full:]
-        permuted_copy(dst[..., full:], tail)
+    padded = -(-seqlen // 16) * 16
+    vt = v.new_empty((batch, heads, head_dim, padded))[..., :seqlen]
+    vt.view(torch.uint8).copy_(v.view(torch.uint8).transpose(2, 3))  # a byte copy: any fp8 view
     return vt
 
 
 def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: float,
            block_m: int, block_n: int, num_stages: int, pingpong: bool = True,
-           descales: tuple | None = None, persistent: bool = False, p_perm: bool | None = None) -> None:
+           descales: tuple | None = None, persistent: bool = False) -> None:
     """q/k/v: (B, H, S, D) views with 16-byte aligned strides; o: (B, Hq, Sq, D) view of any
     float dtype and strides (a TMA store when it is q's dtype and aligned); lse: (B, Hq, Sq) fp32.
 
     float8 e4m3 q/k/v: `descales` = (q, k, v) fp32 views (B|1, H|1, 1) (fmha.fp8.check_descales;
     q's H is Hq or Hk, None is 1); V is transposed into a scratch buffer first (fp8 wgmma
-    reads its B operand K-major), one extra pass over V. p_perm (fp8; default `P_PERM`): the
-    keys of P and of V^T permuted within blocks of 32 instead of a layout conversion of P.
+    reads its B operand K-major), one extra pass over V.
 
     persistent: one program per SM (`programs_per_sm`) walks the CTA tiles (fwd_ws_kernel's
     PERSISTENT), instead of one program per tile."""
@@ -643,7 +589,6 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     q_desc = descriptor(q, WG_ROWS.value)
     o_tma = o.dtype == q.dtype and tma_aligned(o)
     fp8 = q.dtype == torch.float8_e4m3fn
-    p_perm = fp8 and (P_PERM if p_perm is None else p_perm)
     o_buf = False
     if persistent:
         elem = q.element_size()
@@ -652,7 +597,7 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         per_sm = programs_per_sm(head_dim, block_m, block_n, num_stages, elem, o_buf)
         grid = (min(grid[0], _sm_count(device) * per_sm),)
     if fp8:
-        v_desc = descriptor(_transposed(v, p_perm), head_dim, block_n)
+        v_desc = descriptor(_transposed(v), head_dim, block_n)
         descales = descales or (None, None, None)
         if None in descales:  # an absent descale is 1
             one = torch.ones((1, 1, 1), dtype=torch.float32, device=q.device)
@@ -670,21 +615,18 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         o, *o.stride()[:3], lse, *lse.stride(),
         seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE.value),
         *fp8_args,
-        CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, P_PERM=p_perm,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=producer_regs, PERSISTENT=persistent, O_BUF=o_buf, num_warps=4, maxnreg=maxnreg,
+        CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
+        BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+        PERSISTENT=persistent, O_BUF=o_buf, num_warps=4, maxnreg=maxnreg,
     )
 
 
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
-                 causal: bool, pingpong: bool, persistent: bool = False,
-                 p_perm: bool | None = None) -> tuple[dict, dict, dict]:
+                 causal: bool, pingpong: bool, persistent: bool = False) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `fwd_ws_kernel` as `launch` calls it, for an
     ahead-of-time compile (fmha kernels build) without a GPU. dtype: "fp16", "bf16" or
-    "fp8e4nv" (bf16 output). persistent: the kernel `launch(..., persistent=True)` runs;
-    p_perm as `launch`'s."""
+    "fp8e4nv" (bf16 output). persistent: the kernel `launch(..., persistent=True)` runs."""
     fp8 = dtype == "fp8e4nv"
-    p_perm = fp8 and (P_PERM if p_perm is None else p_perm)
 
     def desc(rows, cols=head_dim):
         return descriptor_type(dtype, rows, cols)
@@ -694,9 +636,9 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
              "v_desc": desc(head_dim, block_n) if fp8 else desc(block_n),
              "o_desc": desc(WG_ROWS.value), "o_ptr": f"*{out}", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     maxnreg, consumer_regs, producer_regs = registers(block_m)
-    constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=not fp8, PINGPONG=pingpong, FP8=fp8, P_PERM=p_perm,
-                      BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
-                      CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PERSISTENT=persistent,
+    constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=not fp8, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
+                      BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
+                      PRODUCER_REGS=producer_regs, PERSISTENT=persistent,
                       O_BUF=persistent and not fp8 and persistent_o_buffer(head_dim, block_m, block_n, num_stages))
     if fp8:
         types.update(qd_ptr="*fp32", kd_ptr="*fp32", vd_ptr="*fp32")
