@@ -93,7 +93,35 @@ def test_registry_json_round_trip_keeps_gluon_fields():
     gluon = [c for c in again if c.algorithm.pipeline.is_gluon]
     assert {c.signature.head_dims for c in gluon} == {(64,), (128,), (256,)}
     assert all(c.signature.needs_tma and not c.signature.sliding_window for c in gluon)
-    assert registry.statistics()["by_pipeline"]["gluon_ws_pingpong"] == 2  # half precision D=128, 256
+    # half precision D=128, 256: persistent (no mask) and one program per tile
+    assert registry.statistics()["by_pipeline"]["gluon_ws_pingpong"] == 4
+    assert any(c.algorithm.persistent for c in again)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_forward_where_it_measured_faster(head_dim, causal):
+    """The persistent Gluon forward at D=64 and, without a mask, at D 128/256; causal D 128/256
+    problems take the one-tile-per-program kernel, and explain says why."""
+    problem = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, causal=causal)
+    config = _fwd_config(problem)
+    assert config.algorithm.pipeline.is_gluon
+    assert config.algorithm.persistent == (head_dim == 64 or not causal), config.name
+    assert config.name.endswith("_persistent") == config.algorithm.persistent
+    if causal and head_dim > 64:
+        line = _explain_line(problem, Family.FWD, f"d{head_dim}-{head_dim}_sm90_gluon_ws_pingpong_m128")
+        assert "persistent" in line and "refused" in line and "mask" in line, line
+
+
+def test_persistent_is_refused_outside_the_gluon_forward():
+    from fmha.configs import Algorithm, ConfigError, KernelConfig, Pipeline
+
+    config = next(c for c in default_registry() if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon)
+    with pytest.raises(ConfigError, match="persistent"):
+        KernelConfig(config.signature, Algorithm(64, 128, 8, 3, Pipeline.GLUON_WS, persistent=True))
+    triton = next(c for c in default_registry() if c.family == Family.FWD and not c.algorithm.pipeline.is_gluon)
+    with pytest.raises(ConfigError, match="persistent"):
+        KernelConfig(triton.signature, Algorithm(128, 64, 4, 3, persistent=True))
 
 
 def test_tma_alignment_detection():

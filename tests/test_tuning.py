@@ -261,7 +261,9 @@ def test_cli_tune_prints_the_table_and_errors_and_writes_json(capsys, tmp_path, 
     assert data["gpu"] == "FakeGPU" and data["db"] == str(db) and len(data["results"]) == 1
     result = data["results"][0]
     chosen, failed = result["chosen"], next(iter(result["errors"]))
-    assert result["timings_ms"] == {chosen: 0.5, failed: None} and "triton" in failed
+    assert result["timings_ms"][chosen] == 0.5 and result["timings_ms"][failed] is None and "triton" in failed
+    gluon = sorted(name for name, ms in result["timings_ms"].items() if ms is not None)
+    assert len(gluon) == 2 and gluon[1] == gluon[0] + "_persistent"  # both Gluon forwards timed
     assert result["errors"][failed] == "RuntimeError: out of resources: shared memory"
     assert "fmha tune on FakeGPU: DB " in out and "0.5 " in out
     assert f"{failed} failed on B=2 Hq=8 Hk=8 Sq=1024" in out and f"wrote {out_json}" in out

@@ -274,7 +274,7 @@ def _launch_forward(prep: _Prepared, config: KernelConfig, o_view: Tensor, lse: 
                 prep.q, prep.k, prep.v, o_view, lse, causal=p.window == (-1, 0),
                 align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT, scale=prep.scale,
                 block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages,
-                pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG,
+                pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG, persistent=a.persistent,
                 descales=tuple(fp8_descales.values()) if fp8_descales else None)
         else:
             family_module("fwd", interpreted=prep.q.device.type == "cpu").launch(

@@ -115,7 +115,9 @@ class Signature:
 
 @dataclass(frozen=True)
 class Algorithm:
-    """How a config runs: tile sizes, warps, software-pipelining depth, pipeline variant."""
+    """How a config runs: tile sizes, warps, software-pipelining depth, pipeline variant.
+    persistent (the Gluon forward): one program per SM walks the CTA tiles instead of one
+    program per tile, so a tile's epilogue overlaps the next tile's loads."""
 
     block_m: int
     block_n: int
@@ -123,6 +125,7 @@ class Algorithm:
     num_stages: int = 2
     pipeline: Pipeline = Pipeline.TRITON
     dot_precision: str = "ieee"  # for fp32 inputs: "ieee" (exact fp32) or "tf32"
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,8 @@ class KernelConfig:
         dtypes = "-".join(d.value for d in s.dtypes)
         return (f"{s.family.value}_{dtypes}_d{s.head_dim_min}-{s.head_dim_max}_{arch}_"
                 f"{a.pipeline.value}_m{a.block_m}n{a.block_n}w{a.num_warps}s{a.num_stages}"
-                + ("" if a.dot_precision == "ieee" else f"_{a.dot_precision}"))
+                + ("" if a.dot_precision == "ieee" else f"_{a.dot_precision}")
+                + ("_persistent" if a.persistent else ""))
 
     def to_dict(self) -> dict[str, Any]:
         s = asdict(self.signature)
@@ -222,8 +226,11 @@ def _gluon_rule_violations(s: Signature, a: Algorithm) -> list[str]:
     """The Hopper Gluon kernels' fixed shapes (kernels/fwd_gluon.py, bwd_gluon.py): an edited
     config outside them is refused here instead of failing in the compiler."""
     if not a.pipeline.is_gluon:
-        return []
+        return ["persistent: only the Gluon forward has a persistent kernel"] if a.persistent else []
     rules = []
+    if a.persistent and (s.family != Family.FWD or a.pipeline == Pipeline.GLUON):
+        rules.append(f"persistent: only the Gluon forward has a persistent kernel, got family {s.family.value} "
+                     f"pipeline {a.pipeline.value}")
     if s.archs != ("sm90",):
         rules.append(f"pipeline {a.pipeline.value} runs on sm90 only, got archs {list(s.archs)}")
     if s.family == Family.FWD:

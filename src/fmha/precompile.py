@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from .configs import CPU, Family, KernelConfig, Pipeline
-from .problem import DType
+from .problem import DType, Feature
 from .registry import Registry
 
 RECORD_NAME = "fmha_build_record.json"
@@ -363,12 +363,13 @@ def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob
 
     a = config.algorithm
     jobs = []
-    for variant in ("plain", "causal"):
+    for variant in ("plain", "causal") if Feature.MASK in config.signature.features else ("plain",):
         args = (TRITON_TYPES[dtype], config.signature.head_dim_max, a.block_m, a.block_n, a.num_stages)
         if config.family == Family.FWD:
             module, kernel = fwd_gluon, "fwd_ws_kernel"
             signature, constexprs, options = fwd_gluon.compile_spec(
-                *args, causal=variant == "causal", pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG)
+                *args, causal=variant == "causal", pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG,
+                persistent=a.persistent)
         elif config.family == Family.BWD_DQ_DK_DV:
             ws = a.pipeline == Pipeline.GLUON_WS
             module, kernel = bwd_gluon, "bwd_dkdv_ws_kernel" if ws else "bwd_dkdv_kernel"

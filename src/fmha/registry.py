@@ -140,7 +140,7 @@ _GLUON_FEATURES = frozenset({Feature.MASK, Feature.GQA})
 
 
 def _gluon_config(family, head_dim, block_m, block_n, warps, stages, pipeline, notes,
-                  features=_GLUON_FEATURES, dtypes=(DType.FP16, DType.BF16)):
+                  features=_GLUON_FEATURES, dtypes=(DType.FP16, DType.BF16), persistent=False):
     """A Hopper Gluon config: fp16/bf16 (or fp8 e4m3 for the forward, with descales per tensor
     or per (batch, head)), one head dim (Dqk == Dv), causal or no mask, TMA.
     Forward (kernels/fwd_gluon.py): 128-row tiles, 4 warps in the config (the producer warp
@@ -150,7 +150,7 @@ def _gluon_config(family, head_dim, block_m, block_n, warps, stages, pipeline, n
     return KernelConfig(
         Signature(family, dtypes, ("sm90",), head_dim, head_dim, features,
                   head_dims=(head_dim,), sliding_window=False, needs_tma=True, fp8_block_descale=False),
-        Algorithm(block_m, block_n, warps, stages, pipeline=pipeline), notes=notes)
+        Algorithm(block_m, block_n, warps, stages, pipeline=pipeline, persistent=persistent), notes=notes)
 
 
 def _family_configs(family, rows):
@@ -172,9 +172,20 @@ def default_registry() -> Registry:
     # 2026-11-30, docs/performance.md). Ping-pong helped at D=128/256 and cost 2-3% at D=64.
     pp, ws = Pipeline.GLUON_WS_PINGPONG, "FA3-style warp-specialized forward"
     fwd_features = _GLUON_FEATURES | {Feature.DETERMINISTIC}  # the forward has no atomics
+    # Persistent (one program per SM walking the CTA tiles) where it measured faster (H200,
+    # 2026-11-30, attempt 27): D=64 always (+4-17%), D 128/256 without a mask (+2-19%); with
+    # causal at D 128/256 it was 7-12% slower, so those configs leave out the mask feature and
+    # causal problems take the one-tile-per-program kernel after them.
+    unmasked = fwd_features - {Feature.MASK}
     configs = [
+        _gluon_config(Family.FWD, 64, 128, 128, 4, 3, Pipeline.GLUON_WS, ws + ", persistent", fwd_features,
+                      persistent=True),
         _gluon_config(Family.FWD, 64, 128, 128, 4, 3, Pipeline.GLUON_WS, ws, fwd_features),
+        _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong, persistent", unmasked,
+                      persistent=True),
         _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong", fwd_features),
+        _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong, persistent", unmasked,
+                      persistent=True),
         _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong", fwd_features),
     ]
     configs += _family_configs(Family.FWD, [
