@@ -225,12 +225,12 @@ def _rule_violations(config: KernelConfig) -> list[str]:
 def _gluon_rule_violations(s: Signature, a: Algorithm) -> list[str]:
     """The Hopper Gluon kernels' fixed shapes (kernels/fwd_gluon.py, bwd_gluon.py): an edited
     config outside them is refused here instead of failing in the compiler."""
-    if not a.pipeline.is_gluon:
-        return ["persistent: only the Gluon forward has a persistent kernel"] if a.persistent else []
     rules = []
-    if a.persistent and (s.family != Family.FWD or a.pipeline == Pipeline.GLUON):
+    if a.persistent and (s.family != Family.FWD or a.pipeline in (Pipeline.TRITON, Pipeline.GLUON)):
         rules.append(f"persistent: only the Gluon forward has a persistent kernel, got family {s.family.value} "
                      f"pipeline {a.pipeline.value}")
+    if not a.pipeline.is_gluon:
+        return rules
     if s.archs != ("sm90",):
         rules.append(f"pipeline {a.pipeline.value} runs on sm90 only, got archs {list(s.archs)}")
     if s.family == Family.FWD:

@@ -12,11 +12,12 @@ FlashAttention-3's structure, written with Gluon's Hopper primitives:
 - ping-pong (optional, `PINGPONG`): the two consumer warpgroups take turns issuing their
   matrix products (an mbarrier per warpgroup), so one's softmax hides under the other's
   products.
-- persistent (optional, `PERSISTENT`, `launch(persistent=True)`; not chosen by the registry
-  yet): one program per SM walks CTA tiles in a snake round robin (`_my_tile`), the K/V ring
-  and the ping-pong turns carried across tiles, Q freed per warpgroup (`q_empty`) so the next
-  tile's Q and first K/V load under this tile's last products and O store. For short
-  sequences, where the one-tile grid pays its prologue and epilogue per 128 rows.
+- persistent (optional, `PERSISTENT`, `launch(persistent=True)`; the registry's choice at
+  D=64 and, without a mask, at D 128/256): one program per SM walks CTA tiles in a snake
+  round robin (`_my_tile`), the K/V ring and the ping-pong turns carried across tiles, Q
+  freed per warpgroup (`q_empty`) so the next tile's Q and first K/V load under this tile's
+  last products and O store. For short sequences, where the one-tile grid pays its prologue
+  and epilogue per 128 rows.
 
 Scope (the dispatcher checks it, see registry.py): fp16/bf16, Dqk == Dv in {64, 128, 256},
 bhsd or bshd views with 16-byte aligned strides (TMA), no mask or causal in either
