@@ -192,6 +192,44 @@ def test_gluon_backward_compiles_for_sm90_with_dq_by_tma_reduce(tmp_path, monkey
         assert "red.global" not in ptx and "atom.global" not in ptx
 
 
+def _ws_d64_config(**change):
+    import dataclasses
+
+    from fmha.configs import KernelConfig
+
+    config = next(c for c in default_registry() if c.algorithm.pipeline == Pipeline.GLUON_WS
+                  and c.family == Family.BWD_DQ_DK_DV and c.signature.head_dims == (64,))
+    return KernelConfig(config.signature, dataclasses.replace(config.algorithm, **change), notes=config.notes)
+
+
+@pytest.mark.parametrize("stages,dq_bufs", [(2, 2), (3, 1)])
+def test_gluon_ws_d64_m128_backward_compiles_for_sm90(tmp_path, monkeypatch, stages, dq_bufs):
+    """The 128-query warp-specialized D=64 dK/dV kernel (block_m 128: two 64-query halves a
+    stage, one 128 x 64 dQ hand-over) fits in 227 KB; 3 stages only with one dQ buffer."""
+    from fmha.kernels import bwd_gluon
+
+    shapes = {p: {d: dict(sh) for d, sh in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
+    shapes["gluon_ws"][64]["dq_bufs"] = dq_bufs
+    monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
+    for kernel in _built_for_sm90(_ws_d64_config(block_m=128, num_stages=stages), tmp_path, monkeypatch):
+        assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in _ptx(kernel)
+
+
+def test_gluon_ws_m128_limits():
+    """block_m 128 only at D=64 and at most 3 stages; 3 stages with two dQ buffers exceed 227 KB
+    (refused when the launch is built, since SHAPES is not part of the config)."""
+    from fmha.configs import ConfigError
+    from fmha.kernels import bwd_gluon
+
+    _ws_d64_config(block_m=128, num_stages=2)
+    with pytest.raises(ConfigError, match="block_m 128"):
+        _ws_d64_config(block_m=128, num_stages=4)
+    with pytest.raises(ConfigError, match="block_m 128"):
+        _ws_d64_config(block_m=128, block_n=64)
+    with pytest.raises(ValueError, match="shared memory"):
+        bwd_gluon.compile_spec("bf16", 64, 128, 128, 3, causal=False, warp_specialized=True)
+    assert bwd_gluon.compile_spec("bf16", 64, 128, 128, 2, causal=False, warp_specialized=True)[1]["BLOCK_M"] == 128
+
 def test_gluon_d256_backward_compiles_for_sm90(tmp_path, monkeypatch):
     """64 keys x 64 queries with dQ formed in two column halves: fits the shared memory."""
     config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon

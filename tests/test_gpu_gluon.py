@@ -170,6 +170,54 @@ def _check_backward_with_shape(rng, monkeypatch, pipeline, head_dim, mask, shape
         check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
 
 
+
+def _m128_dispatcher(stages):
+    """The registry with its D=64 warp-specialized dK/dV config on 128-query stages (block_m 128,
+    bwd_gluon._ws_compute_m128) and the D=64 kernel without warp specialization left out."""
+    import dataclasses
+
+    from fmha import Registry, default_registry
+    from fmha.configs import Family, Pipeline
+    from fmha.dispatcher import Dispatcher
+
+    configs = []
+    for c in default_registry():
+        if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon and c.signature.head_dims == (64,):
+            if c.algorithm.pipeline != Pipeline.GLUON_WS:
+                continue
+            c = type(c)(c.signature, dataclasses.replace(c.algorithm, block_m=128, num_stages=stages), notes=c.notes)
+        configs.append(c)
+    return Dispatcher(Registry(configs, name=f"gluon-bwd-d64-m128-s{stages}"))
+
+
+# (stages, SHAPES["gluon_ws"][64] changes): 3 stages fit with one dQ buffer only (227 KB).
+M128_KERNELS = {"s2": (2, {}), "s2_atomics": (2, {"dq_tma": 0}), "s3_bufs1": (3, {"dq_bufs": 1})}
+
+
+@pytest.mark.parametrize("kernel", list(M128_KERNELS))
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1533), (1, 2, 2, 700, 77), (2, 4, 1, 77, 700),
+                                   (1, 4, 4, 1024, 1024), (1, 2, 2, 1001, 1001)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gluon_ws_backward_d64_m128(rng, monkeypatch, kernel, mask, shape):
+    """The 128-query warp-specialized D=64 dK/dV kernel (two 64-query halves a stage) against
+    float64: GQA, both causal alignments with Sq < Sk and Sq > Sk, sequences off the 128-row
+    tile (a stage's second half past the end, or both), Sq % 4 != 0 (LSE/delta not by TMA), dQ
+    by TMA reduce-add or the writer's atomics."""
+    from fmha.kernels import bwd_gluon
+
+    from attn_testing import check_backward
+
+    stages, changes = M128_KERNELS[kernel]
+    shapes = {p: {d: dict(sh) for d, sh in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
+    shapes["gluon_ws"][64].update(changes)
+    monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
+    q, k, v, kw = _masked_problem(rng, torch.bfloat16, 64, mask, shape)
+    with fmha.api.use_dispatcher(_m128_dispatcher(stages)):
+        line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
+        assert f"sm90_gluon_ws_m128n128w8s{stages}" in line, line
+        check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
+
 def test_warp_specialized_backward_is_chosen_at_d64(rng):
     q, k, v, kw = _masked_problem(rng, torch.bfloat16, 64, "causal", (1, 4, 4, 1024, 1024))
     line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)

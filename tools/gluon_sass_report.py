@@ -9,13 +9,16 @@ Two specializations per variant:
           through the JIT's own argument specialization on meta tensors.
 
     PYTHONPATH=src python tools/gluon_sass_report.py [--spec|--launch] [--seqlen S] [--group G]
-                                                     [--ws] [--hdims 64,128] [--shape k=v+k=v]
+                                                     [--ws] [--hdims 64,128] [--variants D:M:N:S,...]
+                                                     [--shape k=v+k=v]
                                                      [--module FILE] [--dump DIR] [--json PATH]
 
 --seqlen S: the launch problem's sequence length (e.g. 4095: no TMA for LSE/delta, no divisibility).
 --group G: query heads per KV head (16 query heads).
 --ws: the warp-specialized kernel (pipeline gluon_ws, its registry configs) instead.
 --hdims: only these head dims.
+--variants D:M:N:S,...: these (head_dim, block_m, block_n, stages) instead of the registry's,
+    e.g. --ws --variants 64:128:128:2 (the 128-query warp-specialized tile).
 --shape k=v+k=v: the pipeline's kernel shape (`bwd_gluon.SHAPES`) changed so at every head dim,
     as bench_gluon_bwd's variants do, e.g. --ws --hdims 64 --shape dq_bufs=1.
 --module FILE: compile another version of kernels/bwd_gluon.py, e.g. the committed one:
@@ -141,7 +144,8 @@ def compile_variant(head_dim, block_m, block_n, stages, causal, mode, dump: Path
     with contextlib.redirect_stdout(log):
         compiled = triton.compile(src, target=TARGET, options=options)
     ptxas = log.getvalue()
-    name = f"{'ws_' if ws else ''}d{head_dim}_s{stages}_{'causal' if causal else 'full'}_{mode}"
+    tile = f"_m{block_m}" if block_m != 64 else ""
+    name = f"{'ws_' if ws else ''}d{head_dim}{tile}_s{stages}_{'causal' if causal else 'full'}_{mode}"
     cubin = Path(tempfile.mkdtemp()) / f"{name}.cubin" if dump is None else dump / f"{name}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
@@ -177,6 +181,8 @@ def main() -> int:
         dump.mkdir(parents=True, exist_ok=True)
     ws = "--ws" in sys.argv
     variants = WS_VARIANTS if ws else VARIANTS
+    if "--variants" in sys.argv:
+        variants = [tuple(map(int, v.split(":"))) for v in sys.argv[sys.argv.index("--variants") + 1].split(",")]
     if "--hdims" in sys.argv:
         hdims = {int(d) for d in sys.argv[sys.argv.index("--hdims") + 1].split(",")}
         variants = [v for v in variants if v[0] in hdims]

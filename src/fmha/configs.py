@@ -242,10 +242,15 @@ def _gluon_rule_violations(s: Signature, a: Algorithm) -> list[str]:
             rules.append(f"pipeline {a.pipeline.value}: block_n={a.block_n} must be >= 32")
     elif s.family == Family.BWD_DQ_DK_DV:
         if a.pipeline == Pipeline.GLUON_WS:
-            if (a.block_m, a.block_n, a.num_warps) != (64, 128, 8) or s.head_dim_max not in (64, 128):
+            # block_m 128 (D=64 only): 128-query stages worked in two 64-query halves
+            # (bwd_gluon._ws_compute_m128); at D=128 its stages and dQ buffer leave no room.
+            if (a.block_n, a.num_warps) != (128, 8) or s.head_dim_max not in (64, 128) or not (
+                    a.block_m == 64 or (a.block_m == 128 and s.head_dim_max == 64 and a.num_stages <= 3)):
                 rules.append(f"pipeline {a.pipeline.value}: the warp-specialized Gluon dK/dV kernel runs 64 queries "
                              f"against 128 keys on 8 compute warps (block_m 64, block_n 128, num_warps 8) at head "
-                             f"dim 64 or 128 (its dQ hand-over buffers leave no room at 256)")
+                             f"dim 64 or 128 (its dQ hand-over buffers leave no room at 256), or at head dim 64 "
+                             f"128 queries (block_m 128, at most 3 stages), got block_m={a.block_m} "
+                             f"block_n={a.block_n} num_warps={a.num_warps} stages={a.num_stages}")
         elif (a.block_m != 64 or (a.block_n, a.num_warps) not in ((64, 4), (64, 8), (128, 8))
                 or a.pipeline != Pipeline.GLUON):
             rules.append(f"pipeline {a.pipeline.value}: the Gluon dK/dV kernel runs 64 queries against 64 keys "

@@ -470,6 +470,114 @@ def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.c
 
 
 @gluon.jit
+def _stat_half(ptr, smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q, stride_b, stride_h, stride_m,
+               other: gl.constexpr, WAIT: gl.constexpr, HALF: gl.constexpr, hm: gl.constexpr,
+               st_layout: gl.constexpr, STATS_TMA: gl.constexpr):
+    """LSE (other=+inf) or delta (other=0) of query half `hm` of the stage's 2 x HALF queries, as
+    a [1, HALF] row of the S^T layout; queries past the end get `other`. WAIT: first read of the
+    stage's statistics (waits for their TMA)."""
+    if STATS_TMA:
+        if WAIT:
+            mbarrier.wait(stat_ready.index(stage), phase)
+        row = smem.index(stage).slice(hm * HALF, HALF, dim=1).load(st_layout)
+        if m0 + (hm + 1) * HALF > seqlen_q:  # the TMA zero-filled the rows past the end
+            row = gl.where(queries[None, :] < seqlen_q, row, other)
+    else:
+        row = gl.load(ptr + b.to(gl.int64) * stride_b + h * stride_h + queries * stride_m,
+                      mask=queries < seqlen_q, other=other)[None, :]
+    return row
+
+
+@gluon.jit
+def _ws_compute_m128(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
+                     DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
+    """`_ws_compute` for 128-query stages (BLOCK_M = 128, FlashAttention-3's D=64 tile), worked
+    in two 64-query halves so that S^T and dP^T (and P^T, dS^T) of one half only are live:
+
+        S^T_0, dP^T_0 -> P^T_0, dS^T_0 -> dV += P_0^T dO_0, dK += dS_0^T Q_0, issue S^T_1, dP^T_1
+        (under those: dS^T_0 to shared memory) -> P^T_1, dS^T_1 -> dV, dK products of half 1
+        -> dS^T_1 to shared memory, barrier -> dQ = dS K for all 128 queries (one m64n64k128
+        per warpgroup, its 64 queries over both warpgroups' keys) -> hand-over.
+
+    The ring wait, the statistics wait, the two CTA barriers, the dQ hand-over (one 128 x D
+    fp32 buffer, one TMA reduce-add) and the stage release come once per 128 queries; half 1's
+    S^T/dP^T run on the tensor cores while half 0's softmax ends and dS^T_0 is stored."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
+    (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+     qk_scale, scale) = out_args
+    HALF: gl.constexpr = BLOCK_M // 2
+    gl.static_assert(HALF == 64, "two 64-query halves")
+    gl.static_assert(DQ_COLS == HEAD_DIM, "dQ in one product")
+    dtype: gl.constexpr = q_desc.dtype
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    st_layout: gl.constexpr = acc_layout(BLOCK_N, HALF, NUM_WARPS)  # S^T, dP^T of a half: keys x queries
+    kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, NUM_WARPS)  # dK, dV
+    dq_layout: gl.constexpr = acc_layout(BLOCK_M, HEAD_DIM, NUM_WARPS)  # 64 queries a warpgroup
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    st_zero = gl.zeros([BLOCK_N, HALF], gl.float32, st_layout)
+    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    mbarrier.wait(kv_bar, 0)
+    for it in range(group * n_m):
+        stage = it % STAGES
+        phase = (it // STAGES) & 1
+        h = hq0 + it // n_m
+        m0 = (m_start + it % n_m) * BLOCK_M
+        q_tile = q_smem.index(stage)
+        do_tile = do_smem.index(stage)
+        mbarrier.wait(ready.index(stage), phase)
+        st = warpgroup_mma(k_smem, q_tile.slice(0, HALF, dim=0).permute((1, 0)), st_zero, use_acc=False,
+                           is_async=True)
+        dpt = warpgroup_mma(v_smem, do_tile.slice(0, HALF, dim=0).permute((1, 0)), st_zero, use_acc=False,
+                            is_async=True)
+        for hm in gl.static_range(2):
+            q_half = q_tile.slice(hm * HALF, HALF, dim=0)
+            do_half = do_tile.slice(hm * HALF, HALF, dim=0)
+            m0h = m0 + hm * HALF
+            queries = m0h + gl.arange(0, HALF, layout=col_layout)
+            lse2 = _stat_half(lse, lse_smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q, stride_lb,
+                              stride_lh, stride_lm, float("inf"), hm == 0, HALF, hm, st_layout, STATS_TMA) * LOG2E
+            # (half 1: this wait also retires half 0's dV/dK products, issued before S^T_1)
+            pt = _probs(st, lse2, keys, queries, n0, m0h, seqlen_k, diag, qk_scale, CAUSAL, BLOCK_N)
+            delta_row = _stat_half(delta, delta_smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q,
+                                   stride_deb, stride_deh, stride_dem, 0.0, False, HALF, hm, st_layout, STATS_TMA)
+            dpt = warpgroup_mma_wait(0, deps=(dpt,))
+            dst16 = (pt * (dpt - delta_row)).to(dtype)
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_half, dv, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(dst16, a_layout), q_half, dk, is_async=True)
+            if hm == 0:  # half 1's products queue behind half 0's dV/dK
+                st = warpgroup_mma(k_smem, q_tile.slice(HALF, HALF, dim=0).permute((1, 0)), st_zero,
+                                   use_acc=False, is_async=True)
+                dpt = warpgroup_mma(v_smem, do_tile.slice(HALF, HALF, dim=0).permute((1, 0)), st_zero,
+                                    use_acc=False, is_async=True)
+            ds_smem.slice(hm * HALF, HALF, dim=1).store(dst16)
+        fence_async_shared()
+        gl.thread_barrier()  # dS^T complete in shared memory (both halves, both warpgroups' key rows)
+        buf = it % DQ_BUFS
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        mbarrier.wait(dq_empty.index(buf), ((it // DQ_BUFS) & 1) ^ 1)
+        dq_smem.index(buf).store(dq)
+        if DQ_TMA:
+            fence_async_shared()  # the writer's TMA reads the buffer
+        gl.thread_barrier()  # dQ stored by every warp; every product reading Q, dO and dS is done
+        mbarrier.arrive(dq_full.index(buf), count=1)
+        mbarrier.arrive(empty.index(stage), count=1)
+    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+
+
+@gluon.jit
 def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr, dv_ptr,
                        stride_lb, stride_lh, stride_lm,
                        stride_deb, stride_deh, stride_dem,
@@ -518,12 +626,21 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     lse_strides = (stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem)
     out_args = (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 qk_scale, scale)
-    gl.warp_specialize([
-        (_ws_compute, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS,
-                       DQ_COLS, DQ_TMA)),
-        (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
-        (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA)),
-    ], [1, 2], [WORKER_REGS, WORKER_REGS])
+    if BLOCK_M == 128:  # 128 queries a stage, worked in two 64-query halves
+        gl.warp_specialize([
+            (_ws_compute_m128, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
+                                DQ_BUFS, DQ_COLS, DQ_TMA)),
+            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
+            (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA)),
+        ], [1, 2], [WORKER_REGS, WORKER_REGS])
+    else:
+        gl.warp_specialize([
+            (_ws_compute, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
+                           DQ_BUFS, DQ_COLS, DQ_TMA)),
+            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
+            (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA)),
+        ], [1, 2], [WORKER_REGS, WORKER_REGS])
+
 
 def dq_columns(head_dim: int) -> int:
     """Columns of dQ per product (see DQ_COLS)."""
@@ -576,6 +693,13 @@ def dq_quads_aligned(dq_acc) -> bool:
             and all(s % 4 == 0 for s in dq_acc.stride()[:3]))
 
 
+def ws_shared_bytes(head_dim, block_m, block_n, stages, dq_bufs) -> int:
+    """Shared memory of `bwd_dkdv_ws_kernel` (bf16/fp16): K and V, the Q/dO/LSE/delta ring, dS^T,
+    the fp32 dQ hand-over buffers; 444 bytes of barriers and alignment on top (as compiled)."""
+    return (2 * block_n * head_dim * 2 + stages * (2 * block_m * head_dim * 2 + 2 * block_m * 4)
+            + block_n * block_m * 2 + dq_bufs * block_m * head_dim * 4 + 444)
+
+
 def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, dq_tma, dq_v2, num_warps,
                  warp_specialized):
     """(kernel, constexprs, launch options, dQ columns per reduce-add) of one launch, the
@@ -587,6 +711,11 @@ def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, d
     common = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
                   STATS_TMA=stats_tma)
     if warp_specialized:  # the writer reduces the whole handed-over tile
+        smem = ws_shared_bytes(head_dim, block_m, block_n, num_stages, shape["dq_bufs"])
+        if smem > 232448:  # sm_90's 227 KB a block (e.g. block_m 128 with 3 stages and 2 dQ buffers)
+            raise ValueError(f"warp-specialized dK/dV: block_m={block_m} block_n={block_n} stages={num_stages} "
+                             f"dq_bufs={shape['dq_bufs']} at head dim {head_dim} needs {smem} bytes of shared "
+                             f"memory, more than 232448")
         constexprs = dict(common, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"], DQ_TMA=dq_tma)
         return bwd_dkdv_ws_kernel, constexprs, {"num_warps": 8, "maxnreg": 168}, head_dim
     dq_cols = shape.get("dq_cols", dq_columns(head_dim))
