@@ -145,8 +145,8 @@ def _gluon_config(family, head_dim, block_m, block_n, warps, stages, pipeline, n
     or per (batch, head)), one head dim (Dqk == Dv), causal or no mask, TMA.
     Forward (kernels/fwd_gluon.py): 128-row tiles, 4 warps in the config (the producer warp
     and the second consumer warpgroup are added). dK/dV (kernels/bwd_gluon.py): 128 keys
-    (D 64/128) or 64 keys (D=256) x 64 queries, 8 warps, dQ by atomics (so not for
-    deterministic problems)."""
+    (D 64/128) or 64 keys (D=256) x 64 queries (128 at D=64, warp-specialized), 8 warps, dQ
+    by TMA reduce-add or atomics (so not for deterministic problems)."""
     return KernelConfig(
         Signature(family, dtypes, ("sm90",), head_dim, head_dim, features,
                   head_dims=(head_dim,), sliding_window=False, needs_tma=True, fp8_block_descale=False),
@@ -224,8 +224,10 @@ def default_registry() -> Registry:
     ws_bwd = "FA3-style warp-specialized backward: loader warp, dQ by TMA reduce-add from a writer warp"
     # Both kernels at D 64/128, the faster first (H200, 2026-11-30: warp specialization
     # +16-25% at D=64, attempt 22; with dQ by TMA reduce-add, 3 stages and one dQ buffer it
-    # leads at D=128 too, attempt 25); `fmha tune` times both.
-    configs += [_gluon_config(Family.BWD_DQ_DK_DV, 64, 64, 128, 8, 3, Pipeline.GLUON_WS, ws_bwd),
+    # leads at D=128 too, attempt 25); `fmha tune` times both. D=64: 128-query stages in two
+    # 64-query halves (bwd_gluon._ws_compute_m128), 1.00x cuDNN where m64 ran 0.885x (attempt 31).
+    configs += [_gluon_config(Family.BWD_DQ_DK_DV, 64, 128, 128, 8, 2, Pipeline.GLUON_WS,
+                              ws_bwd + ", 128-query stages in two halves"),
                 _gluon_config(Family.BWD_DQ_DK_DV, 64, 64, 128, 8, 3, Pipeline.GLUON, bwd_notes),
                 _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 3, Pipeline.GLUON_WS, ws_bwd),
                 _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 2, Pipeline.GLUON, bwd_notes),
