@@ -242,3 +242,25 @@ def test_persistent_forward_compile_spec():
         assert fwd_gluon.shared_bytes(d, 128, n, st, o_buffer=o_buf) <= fwd_gluon.SMEM_PER_SM
     assert constexprs("fp8e4nv", 128, 128, 128, 2, pingpong=False, persistent=True)["O_BUF"] is False
     assert fwd_gluon.programs_per_sm(64, 192, 64, 3) == 1
+
+
+def test_persistent_experiments_are_off_by_default():
+    """fwd_gluon's persistent experiments (TILE_ORDER, LEAN) default to the measured kernel and
+    only reach the persistent one; the schedule simulation's transcription of the kernel's tile
+    count and positions walks every tile once (tools/persistent_schedule_sim.py --check)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fmha.kernels import fwd_gluon
+
+    c = fwd_gluon.compile_spec("bf16", 128, 128, 128, 2, causal=True, pingpong=True, persistent=True)[1]
+    assert c["TILE_ORDER"] == 0 and c["LEAN"] is False
+    c = fwd_gluon.compile_spec("bf16", 128, 128, 128, 2, causal=True, pingpong=True, tile_order=2, lean=True)[1]
+    assert c["TILE_ORDER"] == 0 and c["LEAN"] is False  # one tile per program: nothing to order
+    c = fwd_gluon.compile_spec("bf16", 128, 128, 128, 2, causal=True, pingpong=True, persistent=True,
+                               tile_order=2, lean=True)[1]
+    assert c["TILE_ORDER"] == 2 and c["LEAN"] is True
+    sim = Path(__file__).parent.parent / "tools" / "persistent_schedule_sim.py"
+    out = subprocess.run([sys.executable, sim, "--check"], capture_output=True, text=True, check=True).stdout
+    assert "check: ok" in out, out

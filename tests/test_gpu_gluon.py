@@ -188,9 +188,10 @@ PERSISTENT_SHAPES = [  # (batch, nhead_q, nhead_k, seqlen_q, seqlen_k)
 ]
 
 
-def _persistent_launches(monkeypatch, programs=None):
-    """Make the dispatcher's Gluon forward persistent (at most `programs` SMs); returns the list
-    the launches' (grid, number of CTA tiles) are appended to."""
+def _persistent_launches(monkeypatch, programs=None, **experiment):
+    """Make the dispatcher's Gluon forward persistent (at most `programs` SMs), with fwd_gluon.launch's
+    `experiment` keywords (tile_order, lean); returns the list the launches' (grid, number of CTA
+    tiles) are appended to."""
     from fmha.kernels import fwd_gluon, launch_cache, loader
 
     seen = []
@@ -198,10 +199,13 @@ def _persistent_launches(monkeypatch, programs=None):
 
     def launch(q, *args, **kwargs):
         kwargs["persistent"] = True
+        kwargs.update(experiment)
         tiles = -(-q.shape[2] // kwargs["block_m"]) * q.shape[0] * q.shape[1]
 
         def record(kernel, grid, *a, **kw):
             assert kw["PERSISTENT"] is True
+            assert kw["TILE_ORDER"] == experiment.get("tile_order", 0), kw["TILE_ORDER"]
+            assert kw["LEAN"] is experiment.get("lean", False), kw["LEAN"]
             seen.append((grid[0], tiles))
             return real_cache_launch(kernel, grid, *a, **kw)
 
@@ -264,3 +268,45 @@ def test_gluon_persistent_fp8(rng, monkeypatch, head_dim, causal):
     run_and_check(q, k, v, granularity="head", causal=causal, gpu=True)
     _check_persistent_grid(seen, 6)
 
+
+
+EXPERIMENTS = {"o1": {"tile_order": 1}, "o2": {"tile_order": 2}, "lean": {"lean": True},
+               "o2lean": {"tile_order": 2, "lean": True}}
+EXPERIMENT_SHAPES = PERSISTENT_SHAPES + [
+    (1, 3, 1, 1300, 1300),  # 11 row tiles x 3 heads, MQA: odd, the pairs order's single last tile
+    (3, 4, 2, 1400, 1100),  # 11 row tiles x 12 heads: blocks of two heads with a middle unit each
+]
+
+
+@pytest.mark.parametrize("programs", [None, 5], ids=["all_sms", "5_programs"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
+@pytest.mark.parametrize("experiment", list(EXPERIMENTS))
+@pytest.mark.parametrize("shape", EXPERIMENT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gluon_forward_persistent_experiments(rng, monkeypatch, programs, head_dim, mask, experiment, shape):
+    """The persistent kernel's experiments (fwd_gluon.launch tile_order 1/2, lean) against the
+    float64 truth: every tile runs once whatever the order (a missed or doubled tile shows as a
+    wrong row block), at more tiles than programs (5), GQA/MQA, both causal alignments, Sq > Sk."""
+    if mask == "none" and "tile_order" in EXPERIMENTS[experiment]:
+        pytest.skip("the tile orders differ only under causal")
+    seen = _persistent_launches(monkeypatch, programs, **EXPERIMENTS[experiment])
+    q, k, v, kw = _masked_problem(rng, torch.bfloat16, head_dim, mask, shape)
+    assert _uses_gluon(q, k, v, **kw), fmha.explain(q, k, v, **kw)
+    check_attention(q, k, v, truth="torch64", **kw)
+    _check_persistent_grid(seen, programs)
+
+
+@pytest.mark.parametrize("experiment", ["o2lean", "lean"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_persistent_experiments_fp16_fp8(rng, monkeypatch, experiment, causal):
+    """fp16 with a negative scale in bshd, and the e4m3 kernel, under the experiments."""
+    from fp8_testing import run_and_check
+
+    seen = _persistent_launches(monkeypatch, programs=7, **EXPERIMENTS[experiment])
+    q, k, v = make_qkv(rng, dtype=torch.float16, layout="bshd", device=CUDA, batch=2, nhead_q=8,
+                       nhead_k=2, seqlen_q=700, seqlen_k=900, head_dim=128)
+    check_attention(q, k, v, layout="bshd", causal=causal, scale=-0.09, truth="torch64")
+    q, k, v = (torch.randn(shape, generator=rng).to(CUDA) for shape in
+               ((2, 8, 777, 128), (2, 2, 1500, 128), (2, 2, 1500, 128)))
+    run_and_check(q, k, v, granularity="head", causal=causal, gpu=True)
+    _check_persistent_grid(seen, 7)

@@ -17,6 +17,10 @@ FlashAttention-3's structure, written with Gluon's Hopper primitives:
   and the ping-pong turns carried across tiles, Q freed per warpgroup (`q_empty`) so the next
   tile's Q and first K/V load under this tile's last products and O store. For short
   sequences, where the one-tile grid pays its prologue and epilogue per 128 rows.
+  Experiments, off by default (the code is then the measured kernel's, SASS compared):
+  TILE_ORDER (`launch(tile_order=)`, causal tile orders, see `_my_tile`) and LEAN
+  (`launch(lean=True)`, per-tile zeros that keep loop-invariant masks and divisions inside
+  the tile loop: no spills, see `_attend`).
 
 Scope (the dispatcher checks it, see registry.py): fp16/bf16, Dqk == Dv in {64, 128, 256},
 bhsd or bshd views with 16-byte aligned strides (TMA), no mask or causal in either
@@ -132,32 +136,83 @@ def _coords(bh, pid_m, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.con
 # Persistent schedule (PERSISTENT): program p of P runs the CTA tiles t(k) = k * P + slot(k),
 # slot(k) = p in even rounds k and P - 1 - p in odd ones (a snake: who got the heavier tiles of
 # one round gets the lighter ones of the next), while t(k) < number of tiles. Tile order:
-# under causal the longest row tiles of all heads first (LPT), otherwise heads outermost as in
-# the one-tile grid. Every partition of a program walks the same sequence.
+# without a mask heads outermost as in the one-tile grid; under causal by TILE_ORDER:
+#   0 (LPT): the longest row tiles of all heads first (every head's K/V streams at once);
+#   1 (heads): heads outermost as in the one-tile grid (a head's row tiles together);
+#   2 (pairs): units of two tiles handed out by the snake (program p runs the units
+#      u(j) = j * P + slot(j), tiles k = 2j and 2j + 1): a head's longest and shortest row tile,
+#      then its second longest and second shortest, ... (equal cost under causal: balanced
+#      without LPT), heads outermost in blocks of two heads whose middle row tiles (odd number
+#      of row tiles) form one more unit (`_pair_tile`); tools/persistent_schedule_sim.py.
+# Every partition of a program walks the same sequence.
 @gluon.jit
-def _my_tile_count(num_tiles):
+def _my_tile_count(num_tiles, CAUSAL: gl.constexpr, TILE_ORDER: gl.constexpr):
     """How many tiles this program runs: every round but the last is full."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    last = gl.cdiv(num_tiles, nprog) - 1
-    slot = pid + (last & 1) * (nprog - 1 - 2 * pid)
-    return last + (slot < num_tiles - last * nprog).to(gl.int32)
+    if CAUSAL and TILE_ORDER == 2:  # units of two tiles; the last one is single if num_tiles is odd
+        num_units = gl.cdiv(num_tiles, 2)
+        last = gl.cdiv(num_units, nprog) - 1
+        slot = pid + (last & 1) * (nprog - 1 - 2 * pid)
+        mine = last + (slot < num_units - last * nprog).to(gl.int32)
+        return 2 * mine - ((num_tiles & 1) * (slot == num_units - 1 - last * nprog).to(gl.int32))
+    else:
+        last = gl.cdiv(num_tiles, nprog) - 1
+        slot = pid + (last & 1) * (nprog - 1 - 2 * pid)
+        return last + (slot < num_tiles - last * nprog).to(gl.int32)
+
+
+@gluon.jit
+def _lean_zero(it, LEAN: gl.constexpr):
+    """LEAN: 0 as min(it, 0) (it: ring uses so far, >= 0, which the compiler does not know)."""
+    if LEAN:
+        return gl.minimum(it, 0)
+    else:
+        return 0
+
+
+@gluon.jit
+def _pair_tile(t, num_bh, num_m):
+    """(bh, pid_m) of position t of TILE_ORDER 2: unit t // 2, its first or second tile."""
+    u = t // 2
+    second = t % 2
+    half = num_m // 2
+    block = u // num_m  # a block of two heads: 2 * num_m tiles, num_m units
+    r = u % num_m
+    bh = 2 * block
+    pid_m = half  # the middle row tiles of the block's two heads (odd num_m), one unit
+    if r < half:  # head 2 * block, its (r-th longest, r-th shortest) row tiles
+        pid_m = num_m - 1 - r + second * (2 * r + 1 - num_m)
+    elif (bh + 1 < num_bh) & (r < 2 * half):
+        bh += 1
+        pid_m = num_m - 1 - (r - half) + second * (2 * (r - half) + 1 - num_m)
+    else:
+        bh += second
+    return bh, pid_m
 
 
 @gluon.jit
 def _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """`_coords` of this program's k-th tile (k < _my_tile_count)."""
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TILE_ORDER: gl.constexpr, zero=0):
+    """`_coords` of this program's k-th tile (k < _my_tile_count). zero (TILE_ORDER 2, LEAN): a
+    zero the compiler cannot see through, added to the row tile count so that the divisions by it
+    are redone per tile instead of hoisted out of the tile loop (their reciprocals stay live)."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    t = k * nprog + pid + (k & 1) * (nprog - 1 - 2 * pid)
-    num_m = gl.cdiv(seqlen_q, BLOCK_M)
-    if CAUSAL:
-        bh = t % num_bh
-        pid_m = num_m - 1 - t // num_bh
+    if CAUSAL and TILE_ORDER == 2:
+        num_m = gl.cdiv(seqlen_q, BLOCK_M) + zero
+        j = k // 2
+        u = j * nprog + pid + (j & 1) * (nprog - 1 - 2 * pid)
+        bh, pid_m = _pair_tile(2 * u + (k & 1), num_bh, num_m)
     else:
-        bh = t // num_m
-        pid_m = num_m - 1 - t % num_m
+        t = k * nprog + pid + (k & 1) * (nprog - 1 - 2 * pid)
+        num_m = gl.cdiv(seqlen_q, BLOCK_M)
+        if CAUSAL and TILE_ORDER == 0:
+            bh = t % num_bh
+            pid_m = num_m - 1 - t // num_bh
+        else:
+            bh = t // num_m
+            pid_m = num_m - 1 - t % num_m
     return _coords(bh, pid_m, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
 
 
@@ -215,12 +270,16 @@ def _logit_scale(qk_scale, b, h, hk, descales, FP8: gl.constexpr):
 def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_free, rows, row_lo, n_tiles, it,
             seqlen_k, diag, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr,
             PINGPONG: gl.constexpr, FP8: gl.constexpr, RELEASE_Q: gl.constexpr, RELEASE_V: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+            LEAN: gl.constexpr = False):
     """(O unnormalized, m, l) of one warpgroup's 64 query rows over key tiles 0 .. n_tiles - 1.
 
     Ring position g = it + j holds key tile j (`it`: ring uses before this CTA tile, 0 in the
     one-tile grid). RELEASE_Q: arrive on q_free once Q is read by no later product; RELEASE_V
-    (persistent): hand back the last V stage too, which the one-tile grid never reuses."""
+    (persistent): hand back the last V stage too, which the one-tile grid never reuses.
+    LEAN (persistent): key tile 0's first key is a zero the compiler cannot see through, so that
+    its mask (`cols < seqlen_k`, the same in every CTA tile) is not hoisted out of the tile loop
+    and carried across it as spilled predicate bits."""
     s_layout: gl.constexpr = acc_layout(WG_ROWS, BLOCK_N, 4, 32 if FP8 else 16)
     o_layout: gl.constexpr = acc_layout(WG_ROWS, HEAD_DIM, 4, 32 if FP8 else 16)
     # P from registers: 32 bits of consecutive k per register (2 halves or 4 bytes).
@@ -245,8 +304,12 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
         mbarrier.arrive(turn.index((WG + 1) % NUM_WG), count=1)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(first), count=1)
-    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale, row_lo,
-                                         CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT)
+    if LEAN:
+        p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, rows, _lean_zero(it, True), seqlen_k, diag,
+                                             qk_scale, row_lo, CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT)
+    else:
+        p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale, row_lo,
+                                             CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT)
     for j in range(1, n_tiles):
         g = it + j
         stage = g % STAGES
@@ -325,6 +388,7 @@ def _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, o_tile, o_desc, o
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
               PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
+              TILE_ORDER: gl.constexpr, LEAN: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
@@ -339,9 +403,9 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
         num_bh = q_desc.shape[0] * nheads_q
         num_tiles = gl.cdiv(seqlen_q, BLOCK_M) * num_bh
         it = 0
-        for k in range(_my_tile_count(num_tiles)):
+        for k in range(_my_tile_count(num_tiles, CAUSAL, TILE_ORDER)):
             b, h, hk, row0, n_tiles = _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL,
-                                               BLOCK_M, BLOCK_N)
+                                               BLOCK_M, BLOCK_N, TILE_ORDER, _lean_zero(it, LEAN))
             tile_scale = _logit_scale(qk_scale, b, h, hk, descales, FP8)
             row_lo = row0 + WG * WG_ROWS
             rows = row_lo + gl.arange(0, WG_ROWS, layout=row_layout)
@@ -349,7 +413,7 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
             acc, m_i, l_i = _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                     q_empty.index(WG), rows, row_lo, n_tiles, it, seqlen_k, diag, tile_scale, WG,
                                     CAUSAL, NEG_SCALE, PINGPONG, FP8, O_BUF or not O_TMA, True,
-                                    BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+                                    BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LEAN)
             if O_BUF:
                 o_tile = o_smem.index(WG)
             else:
@@ -379,26 +443,29 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
 
 @gluon.jit
 def _consumer0(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, BLOCK_M: gl.constexpr,
+               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
+              TILE_ORDER: gl.constexpr, LEAN: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 0, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N, HEAD_DIM,
-              STAGES)
+    _consumer(args, 0, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, LEAN, BLOCK_M,
+              BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
 def _consumer1(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, BLOCK_M: gl.constexpr,
+               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
+              TILE_ORDER: gl.constexpr, LEAN: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 1, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N, HEAD_DIM,
-              STAGES)
+    _consumer(args, 1, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, LEAN, BLOCK_M,
+              BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
 def _consumer2(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, BLOCK_M: gl.constexpr,
+               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
+              TILE_ORDER: gl.constexpr, LEAN: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 2, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N, HEAD_DIM,
-              STAGES)
+    _consumer(args, 2, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, LEAN, BLOCK_M,
+              BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
@@ -423,7 +490,8 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
 
 @gluon.jit
 def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-              FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, BLOCK_M: gl.constexpr,
+              FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
+              TILE_ORDER: gl.constexpr, LEAN: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
@@ -432,9 +500,9 @@ def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.con
         num_bh = q_desc.shape[0] * nheads_q
         num_tiles = gl.cdiv(seqlen_q, BLOCK_M) * num_bh
         it = 0
-        for k in range(_my_tile_count(num_tiles)):
+        for k in range(_my_tile_count(num_tiles, CAUSAL, TILE_ORDER)):
             b, h, hk, row0, n_tiles = _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL,
-                                               BLOCK_M, BLOCK_N)
+                                               BLOCK_M, BLOCK_N, TILE_ORDER, _lean_zero(it, LEAN))
             # Key tile 0 first: its stage frees before this tile's Q buffers do (they wait for
             # the previous tile's last S, or its O store), so it is in flight meanwhile.
             _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, 0, it,
@@ -469,7 +537,8 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
                   FP8: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                  PERSISTENT: gl.constexpr, O_BUF: gl.constexpr):
+                  PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, TILE_ORDER: gl.constexpr = 0,
+                  LEAN: gl.constexpr = False):
     """PERSISTENT: a grid of at most one program per SM, each running CTA tiles in turn (see
     `_my_tile`); O_BUF (with PERSISTENT and O_TMA): O is staged in its own buffer instead of
     Q's, so the next tile's Q loads while this tile's O is stored (`persistent_o_buffer`).
@@ -539,23 +608,23 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
     # (The constexpr arguments are spelled out per partition: a tuple variable would not keep them constexpr.)
     if NUM_WG == 3:  # FA3's 192-row tile for small head dims: a third warpgroup hides more softmax
         gl.warp_specialize([
-            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES)),
-            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES)),
-            (_consumer2, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES)),
-            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-                         HEAD_DIM, STAGES)),
+            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, LEAN,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, LEAN,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer2, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, LEAN,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, LEAN,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES)),
-            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES)),
-            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-                         HEAD_DIM, STAGES)),
+            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, LEAN,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, LEAN,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, LEAN,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -571,7 +640,8 @@ def _transposed(v):
 
 def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: float,
            block_m: int, block_n: int, num_stages: int, pingpong: bool = True,
-           descales: tuple | None = None, persistent: bool = False) -> None:
+           descales: tuple | None = None, persistent: bool = False, tile_order: int = 0,
+           lean: bool = False) -> None:
     """q/k/v: (B, H, S, D) views with 16-byte aligned strides; o: (B, Hq, Sq, D) view of any
     float dtype and strides (a TMA store when it is q's dtype and aligned); lse: (B, Hq, Sq) fp32.
 
@@ -580,7 +650,9 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     reads its B operand K-major), one extra pass over V.
 
     persistent: one program per SM (`programs_per_sm`) walks the CTA tiles (fwd_ws_kernel's
-    PERSISTENT), instead of one program per tile."""
+    PERSISTENT), instead of one program per tile. Experiments of the persistent kernel (defaults:
+    the kernel as it was measured): tile_order (TILE_ORDER, causal only): 0 LPT over all heads,
+    1 heads outermost, 2 pairs of row tiles (see `_my_tile`); lean (LEAN): see `_attend`."""
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
@@ -617,12 +689,14 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         *fp8_args,
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-        PERSISTENT=persistent, O_BUF=o_buf, num_warps=4, maxnreg=maxnreg,
+        PERSISTENT=persistent, O_BUF=o_buf, TILE_ORDER=tile_order if persistent else 0,
+        LEAN=lean and persistent, num_warps=4, maxnreg=maxnreg,
     )
 
 
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
-                 causal: bool, pingpong: bool, persistent: bool = False) -> tuple[dict, dict, dict]:
+                 causal: bool, pingpong: bool, persistent: bool = False, tile_order: int = 0,
+                 lean: bool = False) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `fwd_ws_kernel` as `launch` calls it, for an
     ahead-of-time compile (fmha kernels build) without a GPU. dtype: "fp16", "bf16" or
     "fp8e4nv" (bf16 output). persistent: the kernel `launch(..., persistent=True)` runs."""
@@ -639,7 +713,8 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
     constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=not fp8, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
                       BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
                       PRODUCER_REGS=producer_regs, PERSISTENT=persistent,
-                      O_BUF=persistent and not fp8 and persistent_o_buffer(head_dim, block_m, block_n, num_stages))
+                      O_BUF=persistent and not fp8 and persistent_o_buffer(head_dim, block_m, block_n, num_stages),
+                      TILE_ORDER=tile_order if persistent else 0, LEAN=lean and persistent)
     if fp8:
         types.update(qd_ptr="*fp32", kd_ptr="*fp32", vd_ptr="*fp32")
     else:
