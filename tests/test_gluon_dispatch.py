@@ -2,6 +2,7 @@
 reasons, TMA alignment detection, and a real sm90 compile of the kernel (Triton ships
 ptxas). Its numerics run on the GPU: tests/test_gpu_gluon.py."""
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -93,7 +94,7 @@ def test_registry_json_round_trip_keeps_gluon_fields():
     gluon = [c for c in again if c.algorithm.pipeline.is_gluon]
     assert {c.signature.head_dims for c in gluon} == {(64,), (128,), (256,)}
     assert all(c.signature.needs_tma and not c.signature.sliding_window for c in gluon)
-    # half precision D=128, 256: persistent (no mask) and one program per tile
+    # half precision D=128, 256: persistent and one program per tile
     assert registry.statistics()["by_pipeline"]["gluon_ws_pingpong"] == 4
     assert any(c.algorithm.persistent for c in again)
 
@@ -101,16 +102,12 @@ def test_registry_json_round_trip_keeps_gluon_fields():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_persistent_forward_where_it_measured_faster(head_dim, causal):
-    """The persistent Gluon forward at D=64 and, without a mask, at D 128/256; causal D 128/256
-    problems take the one-tile-per-program kernel, and explain says why."""
+    """The persistent Gluon forward at every head dim, with and without a mask; explain names it."""
     problem = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, causal=causal)
     config = _fwd_config(problem)
-    assert config.algorithm.pipeline.is_gluon
-    assert config.algorithm.persistent == (head_dim == 64 or not causal), config.name
-    assert config.name.endswith("_persistent") == config.algorithm.persistent
-    if causal and head_dim > 64:
-        line = _explain_line(problem, Family.FWD, f"d{head_dim}-{head_dim}_sm90_gluon_ws_pingpong_m128")
-        assert "persistent" in line and "refused" in line and "mask" in line, line
+    assert config.algorithm.pipeline.is_gluon and config.algorithm.persistent, config.name
+    assert config.name.endswith("_persistent")
+    assert "_persistent" in _explain_line(problem, Family.FWD, f"d{head_dim}-{head_dim}_sm90_gluon_ws")
 
 
 def test_persistent_is_refused_outside_the_gluon_forward():
@@ -280,3 +277,23 @@ def test_persistent_forward_compile_spec():
         assert fwd_gluon.shared_bytes(d, 128, n, st, o_buffer=o_buf) <= fwd_gluon.SMEM_PER_SM
     assert constexprs("fp8e4nv", 128, 128, 128, 2, pingpong=False, persistent=True)["O_BUF"] is False
     assert fwd_gluon.programs_per_sm(64, 192, 64, 3) == 1
+
+
+def test_persistent_causal_tile_order():
+    """fwd_gluon's causal tile order (TILE_ORDER) reaches only the persistent causal kernel and
+    defaults to pairs of row tiles (2); the schedule simulation's transcription of the kernel's
+    tile count and positions walks every tile once (tools/persistent_schedule_sim.py --check)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fmha.kernels import fwd_gluon
+
+    spec = functools.partial(fwd_gluon.compile_spec, "bf16", 128, 128, 128, 2, pingpong=True)
+    assert spec(causal=True, persistent=True)[1]["TILE_ORDER"] == 2
+    assert spec(causal=True, persistent=True, tile_order=1)[1]["TILE_ORDER"] == 1
+    assert spec(causal=True, tile_order=1)[1]["TILE_ORDER"] == 0  # one tile per program: nothing to order
+    assert spec(causal=False, persistent=True)[1]["TILE_ORDER"] == 0  # heads outermost, as without persistence
+    sim = Path(__file__).parent.parent / "tools" / "persistent_schedule_sim.py"
+    out = subprocess.run([sys.executable, sim, "--check"], capture_output=True, text=True, check=True).stdout
+    assert "check: ok" in out, out

@@ -234,12 +234,15 @@ PERSISTENT_SHAPES = [  # (batch, nhead_q, nhead_k, seqlen_q, seqlen_k)
     (16, 16, 16, 1024, 1024),  # the short-sequence shape the persistent kernel is for
     (2, 4, 1, 77, 4099),
     (1, 2, 2, 4099, 77),  # Sq > Sk: fully masked rows under bottom-right causal
+    (1, 3, 1, 1300, 1300),  # 11 row tiles x 3 heads, MQA: odd, the pairs order's single last tile
+    (3, 4, 2, 1400, 1100),  # 11 row tiles x 12 heads: blocks of two heads with a middle unit each
 ]
 
 
-def _persistent_launches(monkeypatch, programs=None):
-    """Make the dispatcher's Gluon forward persistent (at most `programs` SMs); returns the list
-    the launches' (grid, number of CTA tiles) are appended to."""
+def _persistent_launches(monkeypatch, programs=None, tile_order=None):
+    """Make the dispatcher's Gluon forward persistent (at most `programs` SMs), in causal tile order
+    `tile_order` (None: launch's default, pairs); returns the list the launches' (grid, number of CTA
+    tiles) are appended to."""
     from fmha.kernels import fwd_gluon, launch_cache, loader
 
     seen = []
@@ -247,10 +250,14 @@ def _persistent_launches(monkeypatch, programs=None):
 
     def launch(q, *args, **kwargs):
         kwargs["persistent"] = True
+        if tile_order is not None:
+            kwargs["tile_order"] = tile_order
+        order = (2 if tile_order is None else tile_order) if kwargs["causal"] else 0
         tiles = -(-q.shape[2] // kwargs["block_m"]) * q.shape[0] * q.shape[1]
 
         def record(kernel, grid, *a, **kw):
             assert kw["PERSISTENT"] is True
+            assert kw["TILE_ORDER"] == order, (kw["TILE_ORDER"], order)
             seen.append((grid[0], tiles))
             return real_cache_launch(kernel, grid, *a, **kw)
 
@@ -313,3 +320,18 @@ def test_gluon_persistent_fp8(rng, monkeypatch, head_dim, causal):
     run_and_check(q, k, v, granularity="head", causal=causal, gpu=True)
     _check_persistent_grid(seen, 6)
 
+
+
+@pytest.mark.parametrize("tile_order", [0, 1], ids=["lpt", "heads"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("mask", ["causal", "causal_top_left"])
+@pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gluon_forward_persistent_tile_orders(rng, monkeypatch, tile_order, head_dim, mask, shape):
+    """The causal tile orders the registry does not choose (fwd_gluon.launch tile_order 0, 1)
+    against the float64 truth, at more tiles than programs (5): a missed or doubled tile shows as
+    a wrong row block."""
+    seen = _persistent_launches(monkeypatch, 5, tile_order)
+    q, k, v, kw = _masked_problem(rng, torch.bfloat16, head_dim, mask, shape)
+    assert _uses_gluon(q, k, v, **kw), fmha.explain(q, k, v, **kw)
+    check_attention(q, k, v, truth="torch64", **kw)
+    _check_persistent_grid(seen, 5)

@@ -8,6 +8,14 @@ B=4, H=16, S 4096/8192, D 64/128/256, bf16, causal and not (plus the GQA shape 4
         [--first-only]   only the registry's Gluon variant per head dim (the first of GLUON_VARIANTS)
         [--short]        short sequences instead: B=16 H=16 S=1024 (and GQA 16x32/8 at D 128), plus
                          B=4 H=16 S=8192 D=128 as a long control
+        [--variants [lpt,heads]]  the persistent kernel's other causal tile orders (fwd_gluon.launch's
+                         tile_order 0 / 1) side by side with the one-tile kernel, the persistent
+                         kernel as it is (_persist: pairs) and cuDNN, registry tile only, no Triton/FA2:
+                         causal B=16 H=16 S=1024 D 64/128/256, B=4 H=16 S=8192 D=128,
+                         B=1 H=16 S=16384 D=128 and B=4 Hq=32 Hk=8 S=4096 D=256 (GQA); without a
+                         mask S=1024 D 128/256 (the orders are the same there).
+                         Names: _persist_lpt (longest row tiles of all heads first), _persist_heads
+                         (heads outermost).
 """
 
 import json
@@ -30,6 +38,36 @@ GLUON_VARIANTS = {
     256: [(64, 2, True), (64, 2, False), (32, 4, True)],
 }
 TRITON_TILE = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 32, 8, 2)}
+
+
+PERSISTENT_VARIANTS = {"lpt": {"tile_order": 0}, "heads": {"tile_order": 1}}
+
+
+def variant_contenders(q, k, v, causal, variants):
+    """The registry's Gluon tile: one-tile, persistent, and each persistent experiment; cuDNN."""
+    b, hq, s, d = q.shape
+    scale = 1 / math.sqrt(d)
+    bn, st, pp, *m = GLUON_VARIANTS[d][0]
+    bm = m[0] if m else 128
+    name = f"gluon_m{bm}n{bn}s{st}{'_pp' if pp else ''}"
+    calls = {}
+    runs = [("", False, {}), ("_persist", True, {})]
+    runs += [(f"_persist_{v}", True, PERSISTENT_VARIANTS[v]) for v in variants
+             if causal or not PERSISTENT_VARIANTS[v].get("tile_order")]
+    for suffix, persist, extra in runs:
+        o = torch.empty_like(q)
+        lse = torch.empty(b, hq, s, device=q.device, dtype=torch.float32)
+        calls[name + suffix] = (lambda o=o, lse=lse, persist=persist, extra=extra: fwd_gluon.launch(
+            q, k, v, o, lse, causal=causal, align_bottom_right=True, scale=scale, block_m=bm, block_n=bn,
+            num_stages=st, pingpong=pp, persistent=persist, **extra)), o
+    out = {}
+
+    def call():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out["o"] = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                        enable_gqa=hq != k.shape[1])
+    calls["cudnn"] = call, out
+    return calls
 
 
 def contenders(q, k, v, causal, persistent=False, first_only=False):
@@ -72,7 +110,16 @@ def main() -> int:
     hdims = [int(x) for x in sys.argv[sys.argv.index("--hdims") + 1].split(",")] if "--hdims" in sys.argv \
         else [64, 128, 256]
     persistent, first_only = "--persistent" in sys.argv, "--first-only" in sys.argv
-    if "--short" in sys.argv:
+    variants = None
+    if "--variants" in sys.argv:
+        i = sys.argv.index("--variants") + 1
+        variants = sys.argv[i].split(",") if i < len(sys.argv) and not sys.argv[i].startswith("--") \
+            else list(PERSISTENT_VARIANTS)
+        shapes = [(16, 16, 16, 1024, d, True) for d in hdims]
+        shapes += [(4, 16, 16, 8192, 128, True), (1, 16, 16, 16384, 128, True)] if 128 in hdims else []
+        shapes += [(4, 32, 8, 4096, 256, True)] if 256 in hdims else []
+        shapes += [(16, 16, 16, 1024, d, False) for d in hdims if d != 64]
+    elif "--short" in sys.argv:
         shapes = [(16, 16, 16, 1024, d, c) for d in hdims for c in (False, True)]
         shapes += [(16, 32, 8, 1024, 128, c) for c in (False, True) if 128 in hdims]
         shapes += [(4, 16, 16, 8192, 128, c) for c in (False, True) if 128 in hdims]
@@ -86,7 +133,8 @@ def main() -> int:
         q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
-        calls = contenders(q, k, v, causal, persistent, first_only)
+        calls = variant_contenders(q, k, v, causal, variants) if variants is not None else \
+            contenders(q, k, v, causal, persistent, first_only)
         flops = 4.0 * b * hq * s * s * d / (2 if causal else 1)
         times = {name: [] for name in calls}
         errors = {}
@@ -118,6 +166,11 @@ def main() -> int:
         line = " ".join(f"{n}={t:.0f}" for n, t in sorted(row["tflops"].items(), key=lambda x: -x[1]))
         print(f"{row['shape']}: {line} | best {best} {row['tflops'][best] / cud:.3f}x cudnn"
               if best and cud else f"{row['shape']}: {line}", flush=True)
+        if variants is not None:
+            base = next((n for n in row["tflops"] if n.startswith("gluon")), None)
+            if base:
+                print("   vs one-tile " + " ".join(f"{n[len(base):] or 'one_tile'}={t / row['tflops'][base]:.3f}"
+                                                 for n, t in row["tflops"].items() if n.startswith(base)), flush=True)
         if errors:
             print("   errors:", errors, flush=True)
         bad = {n: e for n, e in diffs.items() if e > 0.02}
@@ -127,7 +180,18 @@ def main() -> int:
             {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
              "rows": rows}, indent=1))
     gm = {}
-    for key in ("best_gluon", "gluon_default", "gluon_default_persist", "triton", "flash"):
+    keys = ["best_gluon", "gluon_default", "gluon_default_persist", "triton", "flash"]
+    if variants is not None:  # geomean over the causal rows per contender (the name after the tile's)
+        per = {}
+        for r in rows:
+            t = r["tflops"]
+            base = next((n for n in t if n.startswith("gluon")), None)
+            if r["shape"].endswith("causal") and base and "cudnn" in t:
+                for n, x in t.items():
+                    if n.startswith(base):
+                        per.setdefault("causal" + (n[len(base):] or "_one_tile"), []).append(x / t["cudnn"])
+        gm.update({k: math.exp(sum(map(math.log, v)) / len(v)) for k, v in per.items()})
+    for key in keys:
         vals = []
         for r in rows:
             t = r["tflops"]

@@ -172,19 +172,18 @@ def default_registry() -> Registry:
     # 2026-11-30, docs/performance.md). Ping-pong helped at D=128/256 and cost 2-3% at D=64.
     pp, ws = Pipeline.GLUON_WS_PINGPONG, "FA3-style warp-specialized forward"
     fwd_features = _GLUON_FEATURES | {Feature.DETERMINISTIC}  # the forward has no atomics
-    # Persistent (one program per SM walking the CTA tiles) where it measured faster (H200,
-    # 2026-11-30, attempt 27): D=64 always (+4-17%), D 128/256 without a mask (+2-19%); with
-    # causal at D 128/256 it was 7-12% slower, so those configs leave out the mask feature and
-    # causal problems take the one-tile-per-program kernel after them.
-    unmasked = fwd_features - {Feature.MASK}
+    # Persistent (one program per SM walking the CTA tiles) first: it measured faster (H200,
+    # 2026-11-30, attempts 27 and 32): D=64 +4-17%, D 128/256 without a mask +2-19%, causal
+    # D 128/256 +1-16% with tiles in pairs of a head's longest and shortest row tile (the
+    # earlier LPT order over all heads was 3-13% slower than one tile a program there).
     configs = [
         _gluon_config(Family.FWD, 64, 128, 128, 4, 3, Pipeline.GLUON_WS, ws + ", persistent", fwd_features,
                       persistent=True),
         _gluon_config(Family.FWD, 64, 128, 128, 4, 3, Pipeline.GLUON_WS, ws, fwd_features),
-        _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong, persistent", unmasked,
+        _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong, persistent", fwd_features,
                       persistent=True),
         _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong", fwd_features),
-        _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong, persistent", unmasked,
+        _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong, persistent", fwd_features,
                       persistent=True),
         _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong", fwd_features),
     ]

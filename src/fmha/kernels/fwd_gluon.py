@@ -17,7 +17,8 @@ FlashAttention-3's structure, written with Gluon's Hopper primitives:
   round robin (`_my_tile`), the K/V ring and the ping-pong turns carried across tiles, Q
   freed per warpgroup (`q_empty`) so the next tile's Q and first K/V load under this tile's
   last products and O store. For short sequences, where the one-tile grid pays its prologue
-  and epilogue per 128 rows.
+  and epilogue per 128 rows. Under causal the tiles go in pairs of a head's longest and
+  shortest row tile (`TILE_ORDER` 2, see `_my_tile`).
 
 Scope (the dispatcher checks it, see registry.py): fp16/bf16, Dqk == Dv in {64, 128, 256},
 bhsd or bshd views with 16-byte aligned strides (TMA), no mask or causal in either
@@ -133,32 +134,72 @@ def _coords(bh, pid_m, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.con
 # Persistent schedule (PERSISTENT): program p of P runs the CTA tiles t(k) = k * P + slot(k),
 # slot(k) = p in even rounds k and P - 1 - p in odd ones (a snake: who got the heavier tiles of
 # one round gets the lighter ones of the next), while t(k) < number of tiles. Tile order:
-# under causal the longest row tiles of all heads first (LPT), otherwise heads outermost as in
-# the one-tile grid. Every partition of a program walks the same sequence.
+# without a mask heads outermost as in the one-tile grid; under causal by TILE_ORDER:
+#   0 (LPT): the longest row tiles of all heads first (every head's K/V streams at once);
+#   1 (heads): heads outermost as in the one-tile grid (a head's row tiles together);
+#   2 (pairs): units of two tiles handed out by the snake (program p runs the units
+#      u(j) = j * P + slot(j), tiles k = 2j and 2j + 1): a head's longest and shortest row tile,
+#      then its second longest and second shortest, ... (equal cost under causal: balanced
+#      without LPT), heads outermost in blocks of two heads whose middle row tiles (odd number
+#      of row tiles) form one more unit (`_pair_tile`); tools/persistent_schedule_sim.py.
+# Every partition of a program walks the same sequence.
 @gluon.jit
-def _my_tile_count(num_tiles):
+def _my_tile_count(num_tiles, CAUSAL: gl.constexpr, TILE_ORDER: gl.constexpr):
     """How many tiles this program runs: every round but the last is full."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    last = gl.cdiv(num_tiles, nprog) - 1
-    slot = pid + (last & 1) * (nprog - 1 - 2 * pid)
-    return last + (slot < num_tiles - last * nprog).to(gl.int32)
+    if CAUSAL and TILE_ORDER == 2:  # units of two tiles; the last one is single if num_tiles is odd
+        num_units = gl.cdiv(num_tiles, 2)
+        last = gl.cdiv(num_units, nprog) - 1
+        slot = pid + (last & 1) * (nprog - 1 - 2 * pid)
+        mine = last + (slot < num_units - last * nprog).to(gl.int32)
+        return 2 * mine - ((num_tiles & 1) * (slot == num_units - 1 - last * nprog).to(gl.int32))
+    else:
+        last = gl.cdiv(num_tiles, nprog) - 1
+        slot = pid + (last & 1) * (nprog - 1 - 2 * pid)
+        return last + (slot < num_tiles - last * nprog).to(gl.int32)
+
+
+@gluon.jit
+def _pair_tile(t, num_bh, num_m):
+    """(bh, pid_m) of position t of TILE_ORDER 2: unit t // 2, its first or second tile."""
+    u = t // 2
+    second = t % 2
+    half = num_m // 2
+    block = u // num_m  # a block of two heads: 2 * num_m tiles, num_m units
+    r = u % num_m
+    bh = 2 * block
+    pid_m = half  # the middle row tiles of the block's two heads (odd num_m), one unit
+    if r < half:  # head 2 * block, its (r-th longest, r-th shortest) row tiles
+        pid_m = num_m - 1 - r + second * (2 * r + 1 - num_m)
+    elif (bh + 1 < num_bh) & (r < 2 * half):
+        bh += 1
+        pid_m = num_m - 1 - (r - half) + second * (2 * (r - half) + 1 - num_m)
+    else:
+        bh += second
+    return bh, pid_m
 
 
 @gluon.jit
 def _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TILE_ORDER: gl.constexpr):
     """`_coords` of this program's k-th tile (k < _my_tile_count)."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    t = k * nprog + pid + (k & 1) * (nprog - 1 - 2 * pid)
-    num_m = gl.cdiv(seqlen_q, BLOCK_M)
-    if CAUSAL:
-        bh = t % num_bh
-        pid_m = num_m - 1 - t // num_bh
+    if CAUSAL and TILE_ORDER == 2:
+        num_m = gl.cdiv(seqlen_q, BLOCK_M)
+        j = k // 2
+        u = j * nprog + pid + (j & 1) * (nprog - 1 - 2 * pid)
+        bh, pid_m = _pair_tile(2 * u + (k & 1), num_bh, num_m)
     else:
-        bh = t // num_m
-        pid_m = num_m - 1 - t % num_m
+        t = k * nprog + pid + (k & 1) * (nprog - 1 - 2 * pid)
+        num_m = gl.cdiv(seqlen_q, BLOCK_M)
+        if CAUSAL and TILE_ORDER == 0:
+            bh = t % num_bh
+            pid_m = num_m - 1 - t // num_bh
+        else:
+            bh = t // num_m
+            pid_m = num_m - 1 - t % num_m
     return _coords(bh, pid_m, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
 
 
@@ -326,6 +367,7 @@ def _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, o_tile, o_desc, o
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
               PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
+              TILE_ORDER: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
@@ -340,9 +382,9 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
         num_bh = q_desc.shape[0] * nheads_q
         num_tiles = gl.cdiv(seqlen_q, BLOCK_M) * num_bh
         it = 0
-        for k in range(_my_tile_count(num_tiles)):
+        for k in range(_my_tile_count(num_tiles, CAUSAL, TILE_ORDER)):
             b, h, hk, row0, n_tiles = _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL,
-                                               BLOCK_M, BLOCK_N)
+                                               BLOCK_M, BLOCK_N, TILE_ORDER)
             tile_scale = _logit_scale(qk_scale, b, h, hk, descales, FP8)
             row_lo = row0 + WG * WG_ROWS
             rows = row_lo + gl.arange(0, WG_ROWS, layout=row_layout)
@@ -380,26 +422,29 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
 
 @gluon.jit
 def _consumer0(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, BLOCK_M: gl.constexpr,
+               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
+              TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 0, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N, HEAD_DIM,
-              STAGES)
+    _consumer(args, 0, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, BLOCK_M,
+              BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
 def _consumer1(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, BLOCK_M: gl.constexpr,
+               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
+              TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 1, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N, HEAD_DIM,
-              STAGES)
+    _consumer(args, 1, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, BLOCK_M,
+              BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
 def _consumer2(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, BLOCK_M: gl.constexpr,
+               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
+              TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(args, 2, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N, HEAD_DIM,
-              STAGES)
+    _consumer(args, 2, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, BLOCK_M,
+              BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
@@ -424,7 +469,8 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
 
 @gluon.jit
 def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-              FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, BLOCK_M: gl.constexpr,
+              FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
+              TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
@@ -433,9 +479,9 @@ def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.con
         num_bh = q_desc.shape[0] * nheads_q
         num_tiles = gl.cdiv(seqlen_q, BLOCK_M) * num_bh
         it = 0
-        for k in range(_my_tile_count(num_tiles)):
+        for k in range(_my_tile_count(num_tiles, CAUSAL, TILE_ORDER)):
             b, h, hk, row0, n_tiles = _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL,
-                                               BLOCK_M, BLOCK_N)
+                                               BLOCK_M, BLOCK_N, TILE_ORDER)
             # Key tile 0 first: its stage frees before this tile's Q buffers do (they wait for
             # the previous tile's last S, or its O store), so it is in flight meanwhile.
             _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, 0, it,
@@ -470,7 +516,7 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
                   FP8: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                  PERSISTENT: gl.constexpr, O_BUF: gl.constexpr):
+                  PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, TILE_ORDER: gl.constexpr = 2):
     """PERSISTENT: a grid of at most one program per SM, each running CTA tiles in turn (see
     `_my_tile`); O_BUF (with PERSISTENT and O_TMA): O is staged in its own buffer instead of
     Q's, so the next tile's Q loads while this tile's O is stored (`persistent_o_buffer`).
@@ -540,23 +586,23 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
     # (The constexpr arguments are spelled out per partition: a tuple variable would not keep them constexpr.)
     if NUM_WG == 3:  # FA3's 192-row tile for small head dims: a third warpgroup hides more softmax
         gl.warp_specialize([
-            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES)),
-            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES)),
-            (_consumer2, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES)),
-            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-                         HEAD_DIM, STAGES)),
+            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer2, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES)),
-            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES)),
-            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, BLOCK_M, BLOCK_N,
-                         HEAD_DIM, STAGES)),
+            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -572,7 +618,7 @@ def _transposed(v):
 
 def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: float,
            block_m: int, block_n: int, num_stages: int, pingpong: bool = True,
-           descales: tuple | None = None, persistent: bool = False) -> None:
+           descales: tuple | None = None, persistent: bool = False, tile_order: int = 2) -> None:
     """q/k/v: (B, H, S, D) views with 16-byte aligned strides; o: (B, Hq, Sq, D) view of any
     float dtype and strides (a TMA store when it is q's dtype and aligned); lse: (B, Hq, Sq) fp32.
 
@@ -581,7 +627,8 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     reads its B operand K-major), one extra pass over V.
 
     persistent: one program per SM (`programs_per_sm`) walks the CTA tiles (fwd_ws_kernel's
-    PERSISTENT), instead of one program per tile."""
+    PERSISTENT), instead of one program per tile. tile_order (TILE_ORDER, persistent and causal
+    only): 0 LPT over all heads, 1 heads outermost, 2 pairs of row tiles (see `_my_tile`)."""
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
@@ -618,12 +665,13 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         *fp8_args,
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-        PERSISTENT=persistent, O_BUF=o_buf, num_warps=4, maxnreg=maxnreg,
+        PERSISTENT=persistent, O_BUF=o_buf, TILE_ORDER=tile_order if persistent and causal else 0,
+        num_warps=4, maxnreg=maxnreg,
     )
 
 
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
-                 causal: bool, pingpong: bool, persistent: bool = False) -> tuple[dict, dict, dict]:
+                 causal: bool, pingpong: bool, persistent: bool = False, tile_order: int = 2) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `fwd_ws_kernel` as `launch` calls it, for an
     ahead-of-time compile (fmha kernels build) without a GPU. dtype: "fp16", "bf16" or
     "fp8e4nv" (bf16 output). persistent: the kernel `launch(..., persistent=True)` runs."""
@@ -640,7 +688,8 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
     constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=not fp8, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
                       BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
                       PRODUCER_REGS=producer_regs, PERSISTENT=persistent,
-                      O_BUF=persistent and not fp8 and persistent_o_buffer(head_dim, block_m, block_n, num_stages))
+                      O_BUF=persistent and not fp8 and persistent_o_buffer(head_dim, block_m, block_n, num_stages),
+                      TILE_ORDER=tile_order if persistent and causal else 0)
     if fp8:
         types.update(qd_ptr="*fp32", kd_ptr="*fp32", vd_ptr="*fp32")
     else:
