@@ -213,3 +213,28 @@ def test_fp8_kvcache_append_decode_step(rng):
         base_o, _ = numerics.torch_attention(q[b:b + 1].transpose(1, 2), kb.to(torch.bfloat16), vb.to(torch.bfloat16))
         c = numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16)
         assert c.ok, f"batch {b}: {c}"
+
+
+# The lazy O rescale (fwd_gluon RESCALE_TAU) on the e4m3 kernel: P = exp2(s - m_ref + shift)
+# reaches 2**(shift + tau) <= 448 (tau 0.75 with shift 8; tau 1.75 lowers the shift to 7). A
+# saturated P (> 448) would break the fp8 bound of tests/fp8_testing.py.
+@pytest.mark.parametrize("tau", [0.75, 1.75])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", ["ramp_0.5", "ramp_tau", "jumps", "random"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["one_tile", "persistent"])
+def test_fp8_gluon_lazy_rescale(rng, monkeypatch, tau, head_dim, causal, case, persistent):
+    from test_gpu_gluon import _lazy_rescale, _persistent_launches, ramp_qkv
+
+    seen = _lazy_rescale(monkeypatch, fp8=tau)
+    if persistent:
+        _persistent_launches(monkeypatch, programs=6)
+    shape = (2, 8, 2, 777, 1500)
+    if case == "random":
+        q, k, v = (_x(s, rng) for s in ((2, 8, 777, head_dim), (2, 2, 1500, head_dim), (2, 2, 1500, head_dim)))
+    else:
+        per_64, jumps = {"ramp_0.5": (0.5, ()), "ramp_tau": (tau - 0.05, ()),
+                         "jumps": (0.05, ((400, 20.0), (900, 9.0)))}[case]
+        q, k, v = (t.float() for t in ramp_qkv(rng, torch.float32, shape, head_dim, per_64, jumps))
+    run_and_check(q, k, v, granularity="head", causal=causal, gpu=True)
+    assert seen and all(t == tau for t in seen), seen

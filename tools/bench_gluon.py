@@ -6,6 +6,10 @@ B=4, H=16, S 4096/8192, D 64/128/256, bf16, causal and not (plus the GQA shape 4
     PYTHONPATH=src python tools/bench_gluon.py [--rounds N] [--quick] [--hdims 64,128]   (writes $OUT/bench_gluon.json)
         [--persistent]   each Gluon variant also as the persistent kernel (name suffix _persist)
         [--first-only]   only the registry's Gluon variant per head dim (the first of GLUON_VARIANTS)
+        [--tau T]        each Gluon variant also with the lazy O rescale RESCALE_TAU=T (suffix _tauT)
+        [--no-baselines] leave out Triton, cuDNN and flash (diffs then against the first Gluon variant)
+    Lazy rescale side by side, under 3 minutes on an H200:
+        python tools/bench_gluon.py --quick --first-only --tau 8 --no-baselines
         [--short]        short sequences instead: B=16 H=16 S=1024 (and GQA 16x32/8 at D 128), plus
                          B=4 H=16 S=8192 D=128 as a long control
 """
@@ -32,7 +36,7 @@ GLUON_VARIANTS = {
 TRITON_TILE = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 32, 8, 2)}
 
 
-def contenders(q, k, v, causal, persistent=False, first_only=False):
+def contenders(q, k, v, causal, persistent=False, first_only=False, tau=0.0, baselines=True):
     b, hq, s, d = q.shape
     hk = k.shape[1]
     scale = 1 / math.sqrt(d)
@@ -43,9 +47,15 @@ def contenders(q, k, v, causal, persistent=False, first_only=False):
         bm = m[0] if m else 128
         name = f"gluon_m{bm}n{bn}s{st}{'_pp' if pp else ''}"
         for persist in (False, True) if persistent else (False,):
-            calls[name + ("_persist" if persist else "")] = (lambda bn=bn, st=st, pp=pp, bm=bm, persist=persist:
-                fwd_gluon.launch(q, k, v, o, lse, causal=causal, align_bottom_right=True, scale=scale, block_m=bm,
-                                 block_n=bn, num_stages=st, pingpong=pp, persistent=persist)), o
+            for t in (0.0, tau) if tau else (0.0,):
+                out = o if not t else torch.empty_like(q)
+                calls[name + ("_persist" if persist else "") + (f"_tau{t:g}" if t else "")] = (
+                    lambda bn=bn, st=st, pp=pp, bm=bm, persist=persist, t=t, out=out:
+                    fwd_gluon.launch(q, k, v, out, lse, causal=causal, align_bottom_right=True, scale=scale,
+                                     block_m=bm, block_n=bn, num_stages=st, pingpong=pp, persistent=persist,
+                                     rescale_tau=t)), out
+    if not baselines:
+        return calls
     bm, bn, w, st = TRITON_TILE[d]
     o2 = torch.empty_like(q)
     lse2 = torch.empty_like(lse)
@@ -72,6 +82,8 @@ def main() -> int:
     hdims = [int(x) for x in sys.argv[sys.argv.index("--hdims") + 1].split(",")] if "--hdims" in sys.argv \
         else [64, 128, 256]
     persistent, first_only = "--persistent" in sys.argv, "--first-only" in sys.argv
+    tau = float(sys.argv[sys.argv.index("--tau") + 1]) if "--tau" in sys.argv else 0.0
+    baselines = "--no-baselines" not in sys.argv
     if "--short" in sys.argv:
         shapes = [(16, 16, 16, 1024, d, c) for d in hdims for c in (False, True)]
         shapes += [(16, 32, 8, 1024, 128, c) for c in (False, True) if 128 in hdims]
@@ -86,7 +98,7 @@ def main() -> int:
         q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
-        calls = contenders(q, k, v, causal, persistent, first_only)
+        calls = contenders(q, k, v, causal, persistent, first_only, tau, baselines)
         flops = 4.0 * b * hq * s * s * d / (2 if causal else 1)
         times = {name: [] for name in calls}
         errors = {}
@@ -96,7 +108,8 @@ def main() -> int:
             except Exception as e:  # a variant that does not fit (shared memory) is reported, not fatal
                 errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         torch.cuda.synchronize()
-        ref = calls["cudnn"][1]["o"].float()
+        first = "cudnn" if "cudnn" in calls else next(iter(calls))
+        ref = calls[first][1]["o"].float() if first == "cudnn" else calls[first][1].float()
         diffs = {}
         for name, (_fn, res) in calls.items():
             if name in errors:
@@ -118,6 +131,11 @@ def main() -> int:
         line = " ".join(f"{n}={t:.0f}" for n, t in sorted(row["tflops"].items(), key=lambda x: -x[1]))
         print(f"{row['shape']}: {line} | best {best} {row['tflops'][best] / cud:.3f}x cudnn"
               if best and cud else f"{row['shape']}: {line}", flush=True)
+        if tau:
+            suffix, tf = f"_tau{tau:g}", row["tflops"]
+            ratios = {n: tf[n] / tf[n.removesuffix(suffix)]
+                      for n in tf if n.endswith(suffix) and n.removesuffix(suffix) in tf}
+            print("   tau/always:", {n: round(r, 3) for n, r in ratios.items()}, flush=True)
         if errors:
             print("   errors:", errors, flush=True)
         bad = {n: e for n, e in diffs.items() if e > 0.02}

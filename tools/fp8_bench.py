@@ -8,7 +8,12 @@ Gluon fp8 tiles (each through a one-config registry ahead of the default one) so
 registry's fp8 rows can be tuned from one run. Also checks the fp8 output against bf16,
 and times decode (B=32, Hq=32, Hk=8, S=8192) over a bf16 cache and over an fp8 cache.
 
-    PYTHONPATH=src python tools/fp8_bench.py OUT.json [--rounds 3] [--sweep]
+    PYTHONPATH=src python tools/fp8_bench.py OUT.json [--rounds 3] [--sweep] [--tau T] [--half-tau T] [--quick]
+
+--tau T: also fmha fp8 e4m3 with the lazy O rescale (fwd_gluon RESCALE_TAU["fp8"] = T, <= 2.8);
+--half-tau T: also fmha bf16 with RESCALE_TAU["half"] = T; --quick: no Triton fp8 contender,
+no decode. Lazy rescale side by side, under 3 minutes on an H200:
+    python tools/fp8_bench.py $OUT/fp8_tau.json --quick --tau 0.75 --half-tau 8
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import triton
 
 import fmha
 from fmha.configs import Algorithm, Family, KernelConfig, Pipeline, Signature
+from fmha.kernels import fwd_gluon
 from fmha.problem import DType
 from fmha.registry import _gluon_config
 
@@ -30,6 +36,18 @@ PP, WS = Pipeline.GLUON_WS_PINGPONG, Pipeline.GLUON_WS
 # Gluon (block_n, stages, pipeline) candidates per head dim besides the registry's default.
 SWEEP = {128: [(128, 2, PP), (64, 3, WS), (128, 3, WS)], 256: [(64, 2, PP), (64, 3, WS), (32, 3, WS)]}
 TRITON_TILE = {128: (128, 128, 8, 3), 256: (128, 64, 8, 2)}  # the registry's Triton fp8 rows
+
+
+def with_tau(fn, kind: str, tau: float):
+    """fn with fwd_gluon's launch default RESCALE_TAU[kind] set to tau while it runs."""
+    def call():
+        old = fwd_gluon.RESCALE_TAU[kind]
+        fwd_gluon.RESCALE_TAU[kind] = tau
+        try:
+            return fn()
+        finally:
+            fwd_gluon.RESCALE_TAU[kind] = old
+    return call
 
 
 def dispatcher_with(first: KernelConfig, name: str) -> fmha.Dispatcher:
@@ -51,6 +69,9 @@ def main() -> int:
     out = args[0] if args and not args[0].startswith("--") else "fp8_bench.json"
     rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 3
     sweep = "--sweep" in args
+    quick = "--quick" in args
+    tau = float(args[args.index("--tau") + 1]) if "--tau" in args else 0.0
+    half_tau = float(args[args.index("--half-tau") + 1]) if "--half-tau" in args else 0.0
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(env)
@@ -67,7 +88,12 @@ def main() -> int:
             def fp8_call():
                 return fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=causal)
             runs["fp8_e4m3"] = (None, fp8_call)
-            runs["fp8_e4m3 triton"] = (dispatcher_with(triton_candidate(D), "triton"), fp8_call)
+            if tau:
+                runs[f"fp8_e4m3 tau{tau:g}"] = (None, with_tau(fp8_call, "fp8", tau))
+            if half_tau:
+                runs[f"bf16 tau{half_tau:g}"] = (None, with_tau(runs["bf16"][1], "half", half_tau))
+            if not quick:
+                runs["fp8_e4m3 triton"] = (dispatcher_with(triton_candidate(D), "triton"), fp8_call)
             if sweep:
                 for n, st, pipe in SWEEP[D]:
                     runs[f"fp8_e4m3 gluon n{n}s{st} {pipe.value}"] = (
@@ -100,6 +126,9 @@ def main() -> int:
                                times_ms=times[name])
                 if name == "fp8_e4m3":
                     row["rel_l2_diff_vs_bf16_output"] = rel
+                elif name.startswith(("fp8_e4m3 tau", "bf16 tau")):  # the lazy rescale's output
+                    row["rel_l2_diff_vs_bf16_output"] = float((runs[name][1]().float() - ref).norm() / ref.norm())
+                    print(f"   {name}: relative L2 difference vs bf16 {row['rel_l2_diff_vs_bf16_output']:.4f}")
                 results.append(row)
                 print(f"D={D} causal={causal!s:<5} {name:<28} " + (
                     f"ERROR {row['error']}" if "error" in row else
@@ -107,7 +136,8 @@ def main() -> int:
             print(f"   fp8 vs bf16 output: relative L2 difference {rel:.4f}")
             with open(out, "w") as f:
                 json.dump(dict(env=env, results=results), f, indent=2)
-    results.extend(decode(rounds))
+    if not quick:
+        results.extend(decode(rounds))
     with open(out, "w") as f:
         json.dump(dict(env=env, results=results), f, indent=2)
     return 0
