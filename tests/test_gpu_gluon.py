@@ -323,7 +323,7 @@ def test_gluon_persistent_fp8(rng, monkeypatch, head_dim, causal):
 
 
 @pytest.mark.parametrize("tile_order", [0, 1], ids=["lpt", "heads"])
-@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("head_dim", [128])
 @pytest.mark.parametrize("mask", ["causal", "causal_top_left"])
 @pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_gluon_forward_persistent_tile_orders(rng, monkeypatch, tile_order, head_dim, mask, shape):
@@ -335,3 +335,94 @@ def test_gluon_forward_persistent_tile_orders(rng, monkeypatch, tile_order, head
     assert _uses_gluon(q, k, v, **kw), fmha.explain(q, k, v, **kw)
     check_attention(q, k, v, truth="torch64", **kw)
     _check_persistent_grid(seen, 5)
+
+
+# The lazy O rescale (fwd_gluon's constexpr RESCALE_TAU, FlashAttention-4's trick): the running
+# max used as the exponent reference moves only when a row's max grew by more than tau. The same
+# float64 checks with tau 8 forced on every fp16/bf16 launch (the default uses it on one-tile
+# kernels and the persistent D=256 one: fwd_gluon.default_rescale_tau), on adversarial logits:
+# a slow ramp (the max grows by `per_64_keys` log2 units every 64 keys, under tau: the reference
+# lags, P grows up to 2**tau), big jumps, fully masked rows.
+def _lazy_rescale(monkeypatch, tau=None):
+    """Make every fp16/bf16 Gluon forward launch use RESCALE_TAU = tau (None: fwd_gluon.TAU_HALF)
+    unless it names its own; returns the list of the RESCALE_TAU values the kernel launches got."""
+    from fmha.kernels import fwd_gluon, launch_cache
+
+    tau = fwd_gluon.TAU_HALF if tau is None else tau
+    monkeypatch.setattr(fwd_gluon, "default_rescale_tau", lambda head_dim, persistent, fp8: 0.0 if fp8 else tau)
+    seen, real = [], launch_cache.launch
+
+    def record(kernel, grid, *a, **kw):
+        if kernel is fwd_gluon.fwd_ws_kernel:
+            seen.append(kw.get("RESCALE_TAU", 0.0))
+        return real(kernel, grid, *a, **kw)
+
+    monkeypatch.setattr(launch_cache, "launch", record)
+    return seen
+
+
+def ramp_qkv(rng, dtype, shape, head_dim, per_64_keys, jumps=(), scale=None, device=CUDA):
+    """q, k, v (bhsd, float32 on `device` before the cast to dtype) whose logits q.k * scale grow
+    by about `per_64_keys` (log2 units) every 64 keys, plus `jumps` (key index, log2 units) added
+    to single keys; the rest of the logits is small noise."""
+    import math
+
+    batch, hq, hk, sq, sk = shape
+    scale = head_dim ** -0.5 if scale is None else scale
+    q = torch.randn(batch, hq, sq, head_dim, generator=rng) * 0.3
+    k = torch.randn(batch, hk, sk, head_dim, generator=rng) * 0.3
+    v = torch.randn(batch, hk, sk, head_dim, generator=rng)
+    q[..., 0] = 1.0 / scale
+    ramp = torch.arange(sk, dtype=torch.float32) / 64 * per_64_keys / math.log2(math.e)
+    for key, size in jumps:
+        ramp[key] += size / math.log2(math.e)
+    k[..., 0] = ramp
+    return tuple(t.to(device).to(dtype) for t in (q, k, v))
+
+
+RAMPS = {  # (per_64_keys, jumps) in log2 units
+    "ramp_0.5": (0.5, ()),
+    "ramp_7.9": (7.9, ()),  # just under bf16's tau: the reference lags by up to 7.9
+    "jumps": (0.05, ((700, 30.0), (1400, 12.0), (1401, 40.0))),
+    "descending": (-0.5, ((5, 9.0),)),
+}
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["one_tile", "persistent"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
+@pytest.mark.parametrize("case", sorted(RAMPS))
+def test_gluon_lazy_rescale_adversarial(rng, monkeypatch, persistent, head_dim, mask, case):
+    seen = _lazy_rescale(monkeypatch)
+    if persistent:
+        _persistent_launches(monkeypatch, programs=5)
+    per_64, jumps = RAMPS[case]
+    q, k, v = ramp_qkv(rng, torch.bfloat16, (2, 4, 2, 1500, 1777), head_dim, per_64, jumps)
+    kw = {} if mask == "none" else {"causal": True}
+    if mask == "causal_top_left":
+        kw["mask_align"] = "top_left"
+    assert _uses_gluon(q, k, v, **kw)
+    check_attention(q, k, v, truth="torch64", **kw)
+    assert seen and all(t == 8.0 for t in seen), seen
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gluon_lazy_rescale_random(rng, monkeypatch, head_dim, mask, shape):
+    """test_gluon_forward's problems (fully masked rows: Sq > Sk bottom-right) with tau 8, fp16
+    (the adversarial cases are bf16)."""
+    seen = _lazy_rescale(monkeypatch)
+    q, k, v, kw = _masked_problem(rng, torch.float16, head_dim, mask, shape)
+    check_attention(q, k, v, truth="torch64", **kw)
+    assert seen and all(t == 8.0 for t in seen), seen
+
+
+@pytest.mark.parametrize("scale", [-0.09, 0.0, 2.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_lazy_rescale_scales(rng, monkeypatch, scale, causal):
+    """A negative scale (NEG_SCALE), 0 (TINY_SCALE: the max never grows by tau) and a large one."""
+    _lazy_rescale(monkeypatch)
+    q, k, v = make_qkv(rng, dtype=torch.bfloat16, layout="bhsd", device=CUDA, batch=1, nhead_q=4,
+                       nhead_k=4, seqlen_q=700, seqlen_k=900, head_dim=128)
+    check_attention(q, k, v, causal=causal, scale=scale, truth="torch64")

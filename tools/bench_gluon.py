@@ -6,6 +6,10 @@ B=4, H=16, S 4096/8192, D 64/128/256, bf16, causal and not (plus the GQA shape 4
     PYTHONPATH=src python tools/bench_gluon.py [--rounds N] [--quick] [--hdims 64,128]   (writes $OUT/bench_gluon.json)
         [--persistent]   each Gluon variant also as the persistent kernel (name suffix _persist)
         [--first-only]   only the registry's Gluon variant per head dim (the first of GLUON_VARIANTS)
+        [--tau T]        each Gluon variant also with the lazy O rescale RESCALE_TAU=T (suffix _tauT)
+        [--no-baselines] leave out Triton, cuDNN and flash (diffs then against the first Gluon variant)
+    Lazy rescale side by side, under 3 minutes on an H200:
+        python tools/bench_gluon.py --quick --first-only --tau 8 --no-baselines
         [--short]        short sequences instead: B=16 H=16 S=1024 (and GQA 16x32/8 at D 128), plus
                          B=4 H=16 S=8192 D=128 as a long control
         [--variants [lpt,heads]]  the persistent kernel's other causal tile orders (fwd_gluon.launch's
@@ -43,8 +47,9 @@ TRITON_TILE = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 32, 8, 2)}
 PERSISTENT_VARIANTS = {"lpt": {"tile_order": 0}, "heads": {"tile_order": 1}}
 
 
-def variant_contenders(q, k, v, causal, variants):
-    """The registry's Gluon tile: one-tile, persistent, and each persistent experiment; cuDNN."""
+def variant_contenders(q, k, v, causal, variants, tau=0.0):
+    """The registry's Gluon tile: one-tile, persistent, each other causal tile order, each also
+    with RESCALE_TAU=tau (suffix _tau); cuDNN."""
     b, hq, s, d = q.shape
     scale = 1 / math.sqrt(d)
     bn, st, pp, *m = GLUON_VARIANTS[d][0]
@@ -54,6 +59,9 @@ def variant_contenders(q, k, v, causal, variants):
     runs = [("", False, {}), ("_persist", True, {})]
     runs += [(f"_persist_{v}", True, PERSISTENT_VARIANTS[v]) for v in variants
              if causal or not PERSISTENT_VARIANTS[v].get("tile_order")]
+    if tau:
+        runs += [(suffix + f"_tau{tau:g}", persist, {**extra, "rescale_tau": tau}) for suffix, persist, extra in runs]
+    runs = [(suffix, persist, {"rescale_tau": 0.0, **extra}) for suffix, persist, extra in runs]
     for suffix, persist, extra in runs:
         o = torch.empty_like(q)
         lse = torch.empty(b, hq, s, device=q.device, dtype=torch.float32)
@@ -70,7 +78,7 @@ def variant_contenders(q, k, v, causal, variants):
     return calls
 
 
-def contenders(q, k, v, causal, persistent=False, first_only=False):
+def contenders(q, k, v, causal, persistent=False, first_only=False, tau=0.0, baselines=True):
     b, hq, s, d = q.shape
     hk = k.shape[1]
     scale = 1 / math.sqrt(d)
@@ -81,9 +89,15 @@ def contenders(q, k, v, causal, persistent=False, first_only=False):
         bm = m[0] if m else 128
         name = f"gluon_m{bm}n{bn}s{st}{'_pp' if pp else ''}"
         for persist in (False, True) if persistent else (False,):
-            calls[name + ("_persist" if persist else "")] = (lambda bn=bn, st=st, pp=pp, bm=bm, persist=persist:
-                fwd_gluon.launch(q, k, v, o, lse, causal=causal, align_bottom_right=True, scale=scale, block_m=bm,
-                                 block_n=bn, num_stages=st, pingpong=pp, persistent=persist)), o
+            for t in (0.0, tau) if tau else (0.0,):
+                out = o if not t else torch.empty_like(q)
+                calls[name + ("_persist" if persist else "") + (f"_tau{t:g}" if t else "")] = (
+                    lambda bn=bn, st=st, pp=pp, bm=bm, persist=persist, t=t, out=out:
+                    fwd_gluon.launch(q, k, v, out, lse, causal=causal, align_bottom_right=True, scale=scale,
+                                     block_m=bm, block_n=bn, num_stages=st, pingpong=pp, persistent=persist,
+                                     rescale_tau=t if tau else None)), out
+    if not baselines:
+        return calls
     bm, bn, w, st = TRITON_TILE[d]
     o2 = torch.empty_like(q)
     lse2 = torch.empty_like(lse)
@@ -110,15 +124,19 @@ def main() -> int:
     hdims = [int(x) for x in sys.argv[sys.argv.index("--hdims") + 1].split(",")] if "--hdims" in sys.argv \
         else [64, 128, 256]
     persistent, first_only = "--persistent" in sys.argv, "--first-only" in sys.argv
+    tau = float(sys.argv[sys.argv.index("--tau") + 1]) if "--tau" in sys.argv else 0.0
+    baselines = "--no-baselines" not in sys.argv
     variants = None
     if "--variants" in sys.argv:
         i = sys.argv.index("--variants") + 1
-        variants = sys.argv[i].split(",") if i < len(sys.argv) and not sys.argv[i].startswith("--") \
-            else list(PERSISTENT_VARIANTS)
+        variants = [v for v in sys.argv[i].split(",") if v] if i < len(sys.argv) and not sys.argv[i].startswith("--") \
+            else list(PERSISTENT_VARIANTS)  # "--variants ,": none, the one-tile and persistent kernels only
         shapes = [(16, 16, 16, 1024, d, True) for d in hdims]
         shapes += [(4, 16, 16, 8192, 128, True), (1, 16, 16, 16384, 128, True)] if 128 in hdims else []
         shapes += [(4, 32, 8, 4096, 256, True)] if 256 in hdims else []
-        shapes += [(16, 16, 16, 1024, d, False) for d in hdims if d != 64]
+        shapes += [(16, 16, 16, 1024, d, False) for d in hdims if d != 64 or tau]
+        if tau:  # the suite's long shapes too: where the rescale's cost shows
+            shapes += [(2, 16, 16, 8192, d, c) for d in hdims for c in (False, True)]
     elif "--short" in sys.argv:
         shapes = [(16, 16, 16, 1024, d, c) for d in hdims for c in (False, True)]
         shapes += [(16, 32, 8, 1024, 128, c) for c in (False, True) if 128 in hdims]
@@ -133,8 +151,8 @@ def main() -> int:
         q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
-        calls = variant_contenders(q, k, v, causal, variants) if variants is not None else \
-            contenders(q, k, v, causal, persistent, first_only)
+        calls = variant_contenders(q, k, v, causal, variants, tau) if variants is not None else \
+            contenders(q, k, v, causal, persistent, first_only, tau, baselines)
         flops = 4.0 * b * hq * s * s * d / (2 if causal else 1)
         times = {name: [] for name in calls}
         errors = {}
@@ -144,7 +162,8 @@ def main() -> int:
             except Exception as e:  # a variant that does not fit (shared memory) is reported, not fatal
                 errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         torch.cuda.synchronize()
-        ref = calls["cudnn"][1]["o"].float()
+        first = "cudnn" if "cudnn" in calls else next(iter(calls))
+        ref = calls[first][1]["o"].float() if first == "cudnn" else calls[first][1].float()
         diffs = {}
         for name, (_fn, res) in calls.items():
             if name in errors:
@@ -171,6 +190,11 @@ def main() -> int:
             if base:
                 print("   vs one-tile " + " ".join(f"{n[len(base):] or 'one_tile'}={t / row['tflops'][base]:.3f}"
                                                  for n, t in row["tflops"].items() if n.startswith(base)), flush=True)
+        if tau:
+            suffix, tf = f"_tau{tau:g}", row["tflops"]
+            ratios = {n: tf[n] / tf[n.removesuffix(suffix)]
+                      for n in tf if n.endswith(suffix) and n.removesuffix(suffix) in tf}
+            print("   tau/always:", {n: round(r, 3) for n, r in ratios.items()}, flush=True)
         if errors:
             print("   errors:", errors, flush=True)
         bad = {n: e for n, e in diffs.items() if e > 0.02}
