@@ -739,7 +739,7 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         PERSISTENT=persistent, O_BUF=o_buf, TILE_ORDER=tile_order if persistent and causal else 0,
-        **({"RESCALE_TAU": tau} if tau else {}), num_warps=4, maxnreg=maxnreg,
+        RESCALE_TAU=tau, num_warps=4, maxnreg=maxnreg,
     )
 
 
