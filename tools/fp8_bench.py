@@ -8,7 +8,11 @@ Gluon fp8 tiles (each through a one-config registry ahead of the default one) so
 registry's fp8 rows can be tuned from one run. Also checks the fp8 output against bf16,
 and times decode (B=32, Hq=32, Hk=8, S=8192) over a bf16 cache and over an fp8 cache.
 
-    PYTHONPATH=src python tools/fp8_bench.py OUT.json [--rounds 3] [--sweep]
+    PYTHONPATH=src python tools/fp8_bench.py OUT.json [--rounds 3] [--sweep] [--persistent] [--quick]
+
+--persistent: also the registry's fp8 Gluon tile as the persistent kernel (one program per SM,
+tiles in pairs under causal), which the registry does not choose for fp8; --quick: no Triton
+fp8 contender and no decode.
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ def gluon_candidate(head_dim: int, block_n: int, stages: int, pipeline: Pipeline
                          dtypes=(DType.FP8_E4M3,))
 
 
+FP8_TILE = {128: (128, 2), 256: (64, 3)}  # the registry's Gluon fp8 (block_n, stages) per head dim
+
+
+def persistent_candidate(head_dim: int) -> KernelConfig:
+    block_n, stages = FP8_TILE[head_dim]
+    return _gluon_config(Family.FWD, head_dim, 128, block_n, 4, stages, WS, "persistent fp8",
+                         dtypes=(DType.FP8_E4M3,), persistent=True)
+
+
 def triton_candidate(head_dim: int) -> KernelConfig:
     arch = "sm{}{}".format(*torch.cuda.get_device_capability())
     return KernelConfig(Signature(Family.FWD, FP8, (arch,), head_dim), Algorithm(*TRITON_TILE[head_dim]))
@@ -50,7 +63,7 @@ def main() -> int:
     args = sys.argv[1:]
     out = args[0] if args and not args[0].startswith("--") else "fp8_bench.json"
     rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 3
-    sweep = "--sweep" in args
+    sweep, persistent, quick = "--sweep" in args, "--persistent" in args, "--quick" in args
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(env)
@@ -67,7 +80,10 @@ def main() -> int:
             def fp8_call():
                 return fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=causal)
             runs["fp8_e4m3"] = (None, fp8_call)
-            runs["fp8_e4m3 triton"] = (dispatcher_with(triton_candidate(D), "triton"), fp8_call)
+            if not quick:
+                runs["fp8_e4m3 triton"] = (dispatcher_with(triton_candidate(D), "triton"), fp8_call)
+            if persistent:
+                runs["fp8_e4m3 persistent"] = (dispatcher_with(persistent_candidate(D), "persistent"), fp8_call)
             if sweep:
                 for n, st, pipe in SWEEP[D]:
                     runs[f"fp8_e4m3 gluon n{n}s{st} {pipe.value}"] = (
@@ -107,7 +123,8 @@ def main() -> int:
             print(f"   fp8 vs bf16 output: relative L2 difference {rel:.4f}")
             with open(out, "w") as f:
                 json.dump(dict(env=env, results=results), f, indent=2)
-    results.extend(decode(rounds))
+    if not quick:
+        results.extend(decode(rounds))
     with open(out, "w") as f:
         json.dump(dict(env=env, results=results), f, indent=2)
     return 0
