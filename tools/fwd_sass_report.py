@@ -1,53 +1,63 @@
-"""Compile the Gluon forward (kernels/fwd_gluon.py) for sm_90 without a GPU and report, per
-registry variant: registers, ptxas spills, stack, shared memory, the main loop's memory
-instructions (tools/gluon_sass_report.py's counts) and where the local loads/stores (LDL/STL)
-sit in the SASS.
+"""Compile the Gluon forward (kernels/fwd_gluon.py) for sm_90 without a GPU, as compile_spec
+builds it, and report per registry tile (bf16 and fp8): registers, ptxas spills, stack, shared
+memory, local loads/stores (LDL/STL) and, in the SASS, either the memory instructions of the
+kernel's main loop (tools/gluon_sass_report.py's counts) or, with --opcodes, the opcode counts
+of the consumer's key-tile loop and the forward branches inside it.
 
-    PYTHONPATH=src python tools/fwd_sass_report.py [--hdims 128,256] [--causal|--full]
-        [--one-tile] [--set NAME=V+NAME=V] [--module FILE] [--dump DIR] [--json PATH] [--stl]
+    PYTHONPATH=src python tools/fwd_sass_report.py [--hdims 128,256] [--causal|--full] [--only bf16|fp8]
+        [--one-tile|--persistent] [--tau T] [--set NAME=V+NAME=V] [--opcodes] [--stl]
+        [--module FILE] [--dump DIR] [--json PATH]
 
-Default: the persistent kernel (compile_spec(..., persistent=True)) of the registry's ping-pong
-tile per head dim, causal and not. --one-tile: the one-tile-per-program kernel instead.
---set: constexprs changed (e.g. --set TILE_ORDER=1). --module FILE: another version of
-kernels/fwd_gluon.py (e.g. `git show main:src/fmha/kernels/fwd_gluon.py > /tmp/fwd_main.py`).
+Default: the persistent kernel (compile_spec(..., persistent=True)) of every registry tile, causal
+and not; --one-tile: the one-tile-per-program kernel instead (--persistent: the default, accepted).
+--hdims: only these head dims. --only bf16|fp8: only that dtype's tiles.
+--tau T: RESCALE_TAU of the bf16 kernels (default: fwd_gluon.default_rescale_tau); fp8 keeps 0
+(check_rescale_tau refuses anything else). --set RESCALE_TAU=T is the same.
+--set: other constexprs changed (e.g. --set TILE_ORDER=1), on every tile.
+--opcodes: the table of FMUL FFMA FADD MUFU F2FP FSEL FSETP GMMA BAR SHFL STS LDS BRA in the
+    consumer's key-tile loop (the innermost predicated backward branch of the SASS around an
+    HGMMA/QGMMA; inside the persistent kernel's tile loop) and its "regions": per forward branch
+    inside that loop, the instructions (FMULs) it jumps over (the masked-tile code; with RESCALE_TAU
+    the O rescale). Without it: REDG LDG ... LDL STL GMMA BAR BRA in the backward branch around the
+    most HGMMA/QGMMA (for the persistent kernel, its tile loop). `@!PT` padding is left out of both.
 --stl: print every LDL/STL line with the nearest preceding HGMMA / BAR / branch label.
+--module FILE: another version of kernels/fwd_gluon.py (e.g. `git show main:src/fmha/kernels/fwd_gluon.py
+    > /tmp/fwd_main.py`). --dump DIR keeps PTX, SASS and cubin per tile. --json PATH: every row,
+    both loops' counts included ("loop", "key_loop").
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import io
-import json
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import triton
-from triton import knobs
-from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gluon_sass_report import BIN, COUNTED, loop_counts  # noqa: E402
+from gluon_sass_report import (  # noqa: E402
+    COUNTED,
+    assignments,
+    compile_sass,
+    dump_dir,
+    finish,
+    load_module,
+    loop_counts,
+    option,
+    print_row,
+    table_header,
+)
 
 from fmha.kernels import fwd_gluon as _working  # noqa: E402
 
 fwd_gluon = _working
-TARGET = GPUTarget("cuda", 90, 32)
-# (head_dim, block_m, block_n, stages, pingpong): the registry's Gluon forward configs.
-VARIANTS = [(64, 128, 128, 3, False), (128, 128, 128, 2, True), (256, 128, 64, 2, True)]
-
-
-def load_module(path: str):
-    spec = importlib.util.spec_from_file_location("fmha.kernels._fwd_gluon_report", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+# (dtype, head_dim, block_m, block_n, stages, pingpong): the registry's Gluon forward tiles.
+VARIANTS = [("bf16", 64, 128, 128, 3, False), ("bf16", 128, 128, 128, 2, True), ("bf16", 256, 128, 64, 2, True),
+            ("fp8e4nv", 128, 128, 128, 2, False), ("fp8e4nv", 256, 128, 64, 3, False)]
+MEMORY = [name if name != "HGMMA" else "GMMA" for name in COUNTED]
+OPCODES = ["FMUL", "FFMA", "FADD", "MUFU", "F2FP", "FSEL", "FSETP", "GMMA", "BAR", "SHFL", "STS", "LDS", "BRA"]
+WIDTH = 46
 
 
 def local_sites(sass: str) -> list[str]:
@@ -61,86 +71,62 @@ def local_sites(sass: str) -> list[str]:
         op = re.sub(r"^@!?U?P\w+\s+", "", text).split(" ")[0]
         if op.startswith(("LDL", "STL")):
             out.append(f"{m.group(1)}  {text:<48} after {last}")
-        elif op.startswith(("HGMMA", "BAR", "SYNCS", "BRA", "WARPGROUP", "EXIT", "USETMAXREG")):
+        elif op.startswith(("HGMMA", "QGMMA", "BAR", "SYNCS", "BRA", "WARPGROUP", "EXIT", "USETMAXREG")):
             last = f"{m.group(1)} {op}"
     return out
 
 
-def compile_variant(head_dim, block_m, block_n, stages, pingpong, causal, persistent, changes, dump):
-    signature, constexprs, options = fwd_gluon.compile_spec("bf16", head_dim, block_m, block_n, stages,
-                                                            causal=causal, pingpong=pingpong, persistent=persistent)
+def compile_variant(dtype, head_dim, block_m, block_n, stages, pingpong, causal, persistent, tau, changes, dump):
+    """One tile's row; tau: RESCALE_TAU (None: compile_spec's default; a --module from before
+    RESCALE_TAU takes none), changes: other constexprs."""
+    kw = {"rescale_tau": tau} if tau is not None else {}
+    signature, constexprs, options = fwd_gluon.compile_spec(dtype, head_dim, block_m, block_n, stages, causal=causal,
+                                                            pingpong=pingpong, persistent=persistent, **kw)
     constexprs.update(changes)
     for name in changes:
         signature[name] = "constexpr"
-    src = GluonASTSource(fwd_gluon.fwd_ws_kernel, signature, constexprs, None)
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        compiled = triton.compile(src, target=TARGET, options=options)
-    ptxas = log.getvalue()
     tag = "".join(f"_{k}{v}" for k, v in changes.items())
-    name = f"d{head_dim}_{'persist' if persistent else 'onetile'}_{'causal' if causal else 'full'}{tag}"
-    tmp = Path(tempfile.mkdtemp())
-    cubin = (dump or tmp) / f"{name}.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    res = subprocess.run([BIN / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True,
-                         check=True).stdout
-    if dump is not None:
-        (dump / f"{name}.ptx").write_text(compiled.asm["ptx"])
-        (dump / f"{name}.sass").write_text(sass)
-
-    def field(pattern, text):
-        m = re.search(pattern, text)
-        return int(m.group(1)) if m else None
-
-    return {"variant": name, "registers": field(r"REG:(\d+)", res), "stack": field(r"STACK:(\d+)", res),
-            "spill_stores": field(r"(\d+) bytes spill stores", ptxas),
-            "spill_loads": field(r"(\d+) bytes spill loads", ptxas), "shared": compiled.metadata.shared,
-            "ldl": sass.count("LDL"), "stl": sass.count("STL"),
-            "loop": loop_counts(sass), "local_sites": local_sites(sass),
-            "warnings": [line.strip() for line in ptxas.splitlines()
-                         if "warning" in line.lower() or re.search(r"\(C\d{4}\)", line)]}
+    name = (f"{dtype}_d{head_dim}_n{block_n}s{stages}{'_pp' if pingpong else ''}"
+            f"_{'persist' if persistent else 'onetile'}_{'causal' if causal else 'full'}"
+            + (f"_tau{constexprs['RESCALE_TAU']:g}" if "RESCALE_TAU" in constexprs else "") + tag)
+    sass, fields = compile_sass(GluonASTSource(fwd_gluon.fwd_ws_kernel, signature, constexprs, None), options,
+                                name, dump)
+    return {"variant": name, **fields, "ldl": sass.count("LDL"), "stl": sass.count("STL"),
+            "loop": loop_counts(sass, MEMORY), "key_loop": loop_counts(sass, OPCODES, innermost=True, regions=True),
+            "local_sites": local_sites(sass)}
 
 
 def main() -> int:
     global fwd_gluon
     if "--module" in sys.argv:
-        fwd_gluon = load_module(sys.argv[sys.argv.index("--module") + 1])
-    variants = VARIANTS
-    if "--hdims" in sys.argv:
-        hdims = {int(d) for d in sys.argv[sys.argv.index("--hdims") + 1].split(",")}
-        variants = [v for v in variants if v[0] in hdims]
-    causals = [True] if "--causal" in sys.argv else [False] if "--full" in sys.argv else [False, True]
+        fwd_gluon = load_module(option("--module"), "_fwd_gluon_report")
+    if "--one-tile" in sys.argv and "--persistent" in sys.argv:
+        sys.exit("--one-tile or --persistent, not both")
     persistent = "--one-tile" not in sys.argv
-    changes = {}
-    if "--set" in sys.argv:
-        changes = {k: int(v) for k, v in (kv.split("=") for kv in sys.argv[sys.argv.index("--set") + 1].split("+"))}
-    dump = Path(sys.argv[sys.argv.index("--dump") + 1]) if "--dump" in sys.argv else None
-    if dump is not None:
-        dump.mkdir(parents=True, exist_ok=True)
-    knobs.nvidia.dump_ptxas_log = True
-    knobs.compilation.always_compile = True
+    variants = [v for v in VARIANTS if v[0].startswith(option("--only", default=""))]
+    if "--hdims" in sys.argv:
+        hdims = {int(d) for d in option("--hdims").split(",")}
+        variants = [v for v in variants if v[1] in hdims]
+    causals = [True] if "--causal" in sys.argv else [False] if "--full" in sys.argv else [False, True]
+    changes = assignments(option("--set")) if "--set" in sys.argv else {}
+    tau = changes.pop("RESCALE_TAU", None)
+    tau = option("--tau", float, tau)
+    dump = dump_dir()
+    opcodes = "--opcodes" in sys.argv
+    counted, loop_key = (OPCODES, "key_loop") if opcodes else (MEMORY, "loop")
+    print(table_header(WIDTH, counted, ("STL", "LDL")) + (" | branch regions" if opcodes else ""))
     rows = []
-    print(f"{'variant':<40} {'regs':>4} {'spill st/ld':>11} {'stack':>5} {'smem':>6} {'STL':>4} {'LDL':>4}  loop: "
-          + " ".join(COUNTED) + " total")
     for v in variants:
         for causal in causals:
             t0 = time.time()
-            row = compile_variant(*v, causal, persistent, changes, dump)
+            fp8 = v[0] == "fp8e4nv"
+            row = compile_variant(*v, causal, persistent, None if fp8 else tau, changes, dump)
             rows.append(row)
-            loop = row["loop"]
-            print(f"{row['variant']:<40} {row['registers']:>4} {row['spill_stores']!s:>5}/{row['spill_loads']!s:<5} "
-                  f"{row['stack']:>5} {row['shared']:>6} {row['stl']:>4} {row['ldl']:>4}  "
-                  + " ".join(f"{loop.get(n, '-')}" for n in COUNTED)
-                  + f" {loop.get('total', '-')}  ({time.time() - t0:.0f}s)", flush=True)
-            if "--stl" in sys.argv:
-                for site in row["local_sites"]:
-                    print("    " + site)
-            for warning in row["warnings"]:
-                print(f"    ptxas: {warning}", flush=True)
-    if "--json" in sys.argv:
-        Path(sys.argv[sys.argv.index("--json") + 1]).write_text(json.dumps(rows, indent=1))
-    return 0
+            loop = row[loop_key]
+            tail = " | " + " ".join(loop.get("regions", [])) if opcodes else ""
+            print_row(row, WIDTH, loop, counted, (row["stl"], row["ldl"]), f"{tail}  ({time.time() - t0:.0f}s)",
+                      row["local_sites"] if "--stl" in sys.argv else ())
+    return finish(rows)
 
 
 if __name__ == "__main__":

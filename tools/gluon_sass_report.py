@@ -26,7 +26,8 @@ Two specializations per variant:
 --dump DIR keeps PTX and SASS per variant. The main loop is the backward branch of the SASS
 that encloses the most HGMMA instructions; counts leave out `@!PT` (never issued) padding.
 ptxas warnings and coded notes (e.g. C7512/C7514: wgmma serialized, C7517: warpgroup.wait
-injected) are listed under each row.
+injected) are listed under each row. tools/fwd_sass_report.py (the forward) uses this file's
+compile, loop-count and table helpers.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from fmha.kernels import bwd_gluon as _committed_or_working
 bwd_gluon = _committed_or_working
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+GMMA = ("HGMMA", "QGMMA")  # warpgroup MMAs: 16-bit, fp8
 # (head_dim, block_m, block_n, stages): the registry's Gluon backward configs.
 VARIANTS = [(64, 64, 128, 3), (128, 64, 128, 2)]
 WS_VARIANTS = [(64, 64, 128, 3), (128, 64, 128, 3)]  # pipeline gluon_ws
@@ -63,9 +65,9 @@ COUNTED = ["REDG", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "STSM", "LDL", "STL", 
 _LINE = re.compile(r"/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 
 
-def load_module(path: str):
-    """Another version of kernels/bwd_gluon.py, imported inside the fmha.kernels package."""
-    spec = importlib.util.spec_from_file_location("fmha.kernels._bwd_gluon_report", path)
+def load_module(path: str, name: str = "_bwd_gluon_report"):
+    """Another version of a kernels/ module (here bwd_gluon.py), imported inside the fmha.kernels package."""
+    spec = importlib.util.spec_from_file_location(f"fmha.kernels.{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -107,45 +109,80 @@ def launch_sources(head_dim: int, block_m: int, block_n: int, stages: int, causa
     return signature, constexprs, attrs, options
 
 
-def loop_counts(sass: str) -> dict:
-    """Opcode counts inside the backward branch that encloses the most HGMMA instructions."""
-    instrs = [(int(m.group(1), 16), m.group(3), m.group(4), (m.group(2) or "").strip())
-              for m in map(_LINE.search, sass.splitlines()) if m]
-    best, best_hgmma = None, -1
-    for addr, op, operands, _ in instrs:
-        if op.startswith("BRA") and (target := re.match(r"\s*(?:`\()?(0x[0-9a-f]+)", operands)):
-            start = int(target.group(1), 16)
-            if start < addr:
-                n = sum(1 for a, o, _, _ in instrs if start <= a <= addr and o.startswith("HGMMA"))
-                if n > best_hgmma:
-                    best, best_hgmma = (start, addr), n
-    counts = collections.Counter()
-    if best is None:
+def option(name: str, convert=str, default=None):
+    """The command line's value after `name`, converted; default when `name` is not given."""
+    return convert(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+
+def assignments(text: str) -> dict:
+    """"k=v+k=v" -> {k: v}, each v an int where it reads as one, else a float."""
+    pairs = (kv.split("=") for kv in text.split("+"))
+    return {k: int(v) if re.fullmatch(r"-?\d+", v) else float(v) for k, v in pairs}
+
+
+def instructions(sass: str) -> list[tuple[int, str, str, str]]:
+    """(address, opcode, operands, predicate) of every SASS instruction."""
+    return [(int(m.group(1), 16), m.group(3), m.group(4), (m.group(2) or "").strip())
+            for m in map(_LINE.search, sass.splitlines()) if m]
+
+
+def _branch_target(op: str, operands: str) -> int | None:
+    target = re.match(r"\s*(?:`\()?(0x[0-9a-f]+)", operands) if op.startswith("BRA") else None
+    return int(target.group(1), 16) if target else None
+
+
+def main_loop(instrs: list, innermost: bool = False) -> tuple[int, int] | None:
+    """(first, last address) of the backward branch that encloses the most HGMMA/QGMMA instructions
+    (the first such branch when none does); innermost: the shortest predicated backward branch
+    that encloses one (a forward consumer's key-tile loop, inside the persistent tile loop)."""
+    best, best_gmma = None, -1
+    for addr, op, operands, pred in instrs:
+        start = _branch_target(op, operands)
+        if start is None or start >= addr:
+            continue
+        n = sum(1 for a, o, _, _ in instrs if start <= a <= addr and o.startswith(GMMA))
+        if not innermost and n > best_gmma:
+            best, best_gmma = (start, addr), n
+        elif innermost and pred and n and (best is None or addr - start < best[1] - best[0]):
+            best = (start, addr)
+    return best
+
+
+def loop_counts(sass: str, counted: list[str] = COUNTED, innermost: bool = False, regions: bool = False) -> dict:
+    """Opcode counts (`counted` and "total") inside `main_loop`, leaving out `@!PT` (never issued:
+    ptxas padding); "GMMA" counts HGMMA and QGMMA together. regions: also "regions", per forward
+    branch inside the loop the instructions (FMULs) it jumps over, e.g. "64(64 FMUL)"."""
+    instrs = instructions(sass)
+    loop = main_loop(instrs, innermost)
+    if loop is None:
         return {}
-    for addr, op, _, pred in instrs:
-        if best[0] <= addr <= best[1] and pred != "@!PT":  # @!PT: never issued (ptxas padding)
-            counts[op.split(".")[0]] += 1
-            counts["total"] += 1
-    return {name: counts[name] for name in COUNTED + ["total"]}
+    body = [(a, o, ops, p) for a, o, ops, p in instrs if loop[0] <= a <= loop[1] and p != "@!PT"]
+    counts = collections.Counter()
+    for _, op, _, _ in body:
+        counts[op.split(".")[0]] += 1
+        counts["GMMA"] += op.startswith(GMMA)
+        counts["total"] += 1
+    out = {name: counts[name] for name in counted + ["total"]}
+    if regions:
+        out["regions"] = []
+        for addr, op, operands, _ in body:
+            end = _branch_target(op, operands)
+            if end is not None and addr < end <= loop[1]:
+                region = [o.split(".")[0] for a, o, _, _ in body if addr < a < end]
+                out["regions"].append(f"{len(region)}({region.count('FMUL')} FMUL)")
+    return out
 
 
-def compile_variant(head_dim, block_m, block_n, stages, causal, mode, dump: Path | None, seqlen: int,
-                    group: int, ws: bool = False) -> dict:
-    if mode == "spec":
-        signature, constexprs, options = bwd_gluon.compile_spec("bf16", head_dim, block_m, block_n, stages,
-                                                                causal=causal, warp_specialized=ws)
-        attrs = None
-    else:
-        signature, constexprs, attrs, options = launch_sources(head_dim, block_m, block_n, stages, causal,
-                                                               seqlen=seqlen, group=group, ws=ws)
-    kernel = bwd_gluon.bwd_dkdv_ws_kernel if ws else bwd_gluon.bwd_dkdv_kernel
-    src = GluonASTSource(kernel, signature, constexprs, attrs)
+def compile_sass(src, options: dict, name: str, dump: Path | None) -> tuple[str, dict]:
+    """triton.compile of `src` for TARGET (ptxas -v's log captured): (SASS, fields) where fields
+    are registers, stack, local (bytes), spill_stores, spill_loads (bytes), shared and the ptxas
+    warnings and coded notes. dump: keeps `name`.cubin/.ptx/.sass there."""
+    knobs.nvidia.dump_ptxas_log = True  # ptxas -v: registers and spills
+    knobs.compilation.always_compile = True  # a cache hit would skip ptxas and its log
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         compiled = triton.compile(src, target=TARGET, options=options)
     ptxas = log.getvalue()
-    tile = f"_m{block_m}" if block_m != 64 else ""
-    name = f"{'ws_' if ws else ''}d{head_dim}{tile}_s{stages}_{'causal' if causal else 'full'}_{mode}"
     cubin = Path(tempfile.mkdtemp()) / f"{name}.cubin" if dump is None else dump / f"{name}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
@@ -161,55 +198,89 @@ def compile_variant(head_dim, block_m, block_n, stages, causal, mode, dump: Path
         m = re.search(pattern, text)
         return int(m.group(1)) if m else None
 
-    return {"variant": name, "registers": field(r"REG:(\d+)", res), "stack": field(r"STACK:(\d+)", res),
-            "local": field(r"LOCAL:(\d+)", res), "spill_stores": field(r"(\d+) bytes spill stores", ptxas),
-            "spill_loads": field(r"(\d+) bytes spill loads", ptxas), "shared": compiled.metadata.shared,
-            "loop": loop_counts(sass),
-            "warnings": [line.strip() for line in ptxas.splitlines()
-                         if "warning" in line.lower() or re.search(r"\(C\d{4}\)", line)]}
+    return sass, {"registers": field(r"REG:(\d+)", res), "stack": field(r"STACK:(\d+)", res),
+                  "local": field(r"LOCAL:(\d+)", res), "spill_stores": field(r"(\d+) bytes spill stores", ptxas),
+                  "spill_loads": field(r"(\d+) bytes spill loads", ptxas), "shared": compiled.metadata.shared,
+                  "warnings": [line.strip() for line in ptxas.splitlines()
+                               if "warning" in line.lower() or re.search(r"\(C\d{4}\)", line)]}
+
+
+def table_header(width: int, counted: list[str], middle: tuple[str, ...] = ()) -> str:
+    """The header of `table_row`'s table."""
+    return (f"{'variant':<{width}} {'regs':>4} {'spill st/ld':>11} {'stack':>5} {'smem':>6} "
+            + "".join(f"{m:>4} " for m in middle) + " loop: " + " ".join(counted + ["total"]))
+
+
+def print_row(row: dict, width: int, loop: dict, counted: list[str], middle: tuple = (), tail: str = "",
+              notes: list[str] = ()) -> None:
+    """variant, registers, spills, stack, shared memory, the `middle` values, `loop`'s counts and
+    `tail`; then the `notes` and the ptxas warnings, a line each."""
+    print(f"{row['variant']:<{width}} {row['registers']:>4} {row['spill_stores']!s:>5}/{row['spill_loads']!s:<5} "
+          f"{row['stack']!s:>5} {row['shared']:>6} " + "".join(f"{m:>4} " for m in middle) + " "
+          + " ".join(f"{loop.get(n, '-')}" for n in counted + ["total"]) + tail, flush=True)
+    for line in [*notes, *(f"ptxas: {w}" for w in row["warnings"])]:
+        print(f"    {line}", flush=True)
+
+
+def dump_dir() -> Path | None:
+    """--dump DIR, made."""
+    dump = option("--dump", Path)
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+    return dump
+
+
+def finish(rows: list[dict]) -> int:
+    """--json PATH: the rows written there."""
+    if "--json" in sys.argv:
+        Path(option("--json")).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def compile_variant(head_dim, block_m, block_n, stages, causal, mode, dump: Path | None, seqlen: int,
+                    group: int, ws: bool = False) -> dict:
+    if mode == "spec":
+        signature, constexprs, options = bwd_gluon.compile_spec("bf16", head_dim, block_m, block_n, stages,
+                                                                causal=causal, warp_specialized=ws)
+        attrs = None
+    else:
+        signature, constexprs, attrs, options = launch_sources(head_dim, block_m, block_n, stages, causal,
+                                                               seqlen=seqlen, group=group, ws=ws)
+    kernel = bwd_gluon.bwd_dkdv_ws_kernel if ws else bwd_gluon.bwd_dkdv_kernel
+    tile = f"_m{block_m}" if block_m != 64 else ""
+    name = f"{'ws_' if ws else ''}d{head_dim}{tile}_s{stages}_{'causal' if causal else 'full'}_{mode}"
+    sass, fields = compile_sass(GluonASTSource(kernel, signature, constexprs, attrs), options, name, dump)
+    return {"variant": name, **fields, "loop": loop_counts(sass)}
 
 
 def main() -> int:
     global bwd_gluon
     if "--module" in sys.argv:
-        bwd_gluon = load_module(sys.argv[sys.argv.index("--module") + 1])
-    seqlen = int(sys.argv[sys.argv.index("--seqlen") + 1]) if "--seqlen" in sys.argv else 4096
-    group = int(sys.argv[sys.argv.index("--group") + 1]) if "--group" in sys.argv else 1
+        bwd_gluon = load_module(option("--module"))
+    seqlen, group = option("--seqlen", int, 4096), option("--group", int, 1)
     modes = ["spec"] if "--spec" in sys.argv else ["launch"] if "--launch" in sys.argv else ["spec", "launch"]
-    dump = Path(sys.argv[sys.argv.index("--dump") + 1]) if "--dump" in sys.argv else None
-    if dump is not None:
-        dump.mkdir(parents=True, exist_ok=True)
+    dump = dump_dir()
     ws = "--ws" in sys.argv
     variants = WS_VARIANTS if ws else VARIANTS
     if "--variants" in sys.argv:
-        variants = [tuple(map(int, v.split(":"))) for v in sys.argv[sys.argv.index("--variants") + 1].split(",")]
+        variants = [tuple(map(int, v.split(":"))) for v in option("--variants").split(",")]
     if "--hdims" in sys.argv:
-        hdims = {int(d) for d in sys.argv[sys.argv.index("--hdims") + 1].split(",")}
+        hdims = {int(d) for d in option("--hdims").split(",")}
         variants = [v for v in variants if v[0] in hdims]
     if "--shape" in sys.argv:
-        changes = {k: int(v) for k, v in (kv.split("=") for kv in sys.argv[sys.argv.index("--shape") + 1].split("+"))}
+        changes = assignments(option("--shape"))
         pipeline = "gluon_ws" if ws else "gluon"
         bwd_gluon.SHAPES = {**bwd_gluon.SHAPES, pipeline: {d: {**shape, **changes}
                                                            for d, shape in bwd_gluon.SHAPES[pipeline].items()}}
-    knobs.nvidia.dump_ptxas_log = True  # ptxas -v: registers and spills
-    knobs.compilation.always_compile = True  # a cache hit would skip ptxas and its log
     rows = []
-    print(f"{'variant':<24} {'regs':>4} {'spill st/ld':>11} {'stack':>5} {'smem':>6}  loop: "
-          + " ".join(COUNTED) + " total")
+    print(table_header(24, COUNTED))
     for (head_dim, block_m, block_n, stages), causal, mode in (
             (v, c, m) for v in variants for c in (False, True) for m in modes):
         t0 = time.time()
         row = compile_variant(head_dim, block_m, block_n, stages, causal, mode, dump, seqlen, group, ws)
         rows.append(row)
-        loop = row["loop"]
-        print(f"{row['variant']:<24} {row['registers']:>4} {row['spill_stores']:>5}/{row['spill_loads']:<5} "
-              f"{row['stack']:>5} {row['shared']:>6}  " + " ".join(f"{loop.get(n, '-')}" for n in COUNTED)
-              + f" {loop.get('total', '-')}  ({time.time() - t0:.0f}s)", flush=True)
-        for warning in row["warnings"]:
-            print(f"    ptxas: {warning}", flush=True)
-    if "--json" in sys.argv:
-        Path(sys.argv[sys.argv.index("--json") + 1]).write_text(json.dumps(rows, indent=1))
-    return 0
+        print_row(row, 24, row["loop"], COUNTED, tail=f"  ({time.time() - t0:.0f}s)")
+    return finish(rows)
 
 
 if __name__ == "__main__":
