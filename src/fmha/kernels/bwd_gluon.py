@@ -578,6 +578,21 @@ def _ws_compute_m128(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M:
 
 
 @gluon.jit
+def _ws_compute_partition(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                          STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr,
+                          DQ_TMA: gl.constexpr):
+    """The compute partition: 128-query stages in two 64-query halves (`_ws_compute_m128`) or
+    64-query stages (`_ws_compute`)."""
+    if BLOCK_M == 128:
+        _ws_compute_m128(args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
+                         DQ_BUFS, DQ_COLS, DQ_TMA)
+    else:
+        _ws_compute(args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
+                    DQ_BUFS, DQ_COLS, DQ_TMA)
+
+
+@gluon.jit
 def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr, dv_ptr,
                        stride_lb, stride_lh, stride_lm,
                        stride_deb, stride_deh, stride_dem,
@@ -626,20 +641,12 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     lse_strides = (stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem)
     out_args = (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 qk_scale, scale)
-    if BLOCK_M == 128:  # 128 queries a stage, worked in two 64-query halves
-        gl.warp_specialize([
-            (_ws_compute_m128, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
-                                DQ_BUFS, DQ_COLS, DQ_TMA)),
-            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
-            (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA)),
-        ], [1, 2], [WORKER_REGS, WORKER_REGS])
-    else:
-        gl.warp_specialize([
-            (_ws_compute, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
-                           DQ_BUFS, DQ_COLS, DQ_TMA)),
-            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
-            (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA)),
-        ], [1, 2], [WORKER_REGS, WORKER_REGS])
+    gl.warp_specialize([
+        (_ws_compute_partition, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                 STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)),
+        (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
+        (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA)),
+    ], [1, 2], [WORKER_REGS, WORKER_REGS])
 
 
 def dq_columns(head_dim: int) -> int:

@@ -389,8 +389,7 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
 @gluon.jit
 def _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, o_tile, o_desc, o_ptr, stride_ob, stride_oh,
               stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales,
-              O_TMA: gl.constexpr, FP8: gl.constexpr, WAIT_BEFORE: gl.constexpr, HEAD_DIM: gl.constexpr,
-              TAU: gl.constexpr):
+              O_TMA: gl.constexpr, FP8: gl.constexpr, WAIT_BEFORE: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Normalize O, store it and the LSE. Empty rows (all keys masked) give 0 and LSE -inf.
 
     O_TMA: O is staged in `o_tile` and stored by TMA; WAIT_BEFORE: the previous store from
@@ -462,7 +461,7 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
                 o_tile = q_tile
             _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, tile_scale, o_tile, o_desc, o_ptr, stride_ob,
                       stride_oh, stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales,
-                      O_TMA, FP8, O_BUF, HEAD_DIM, TAU)
+                      O_TMA, FP8, O_BUF, HEAD_DIM)
             if O_TMA and not O_BUF:  # O was staged in Q's buffer and its store has read it
                 mbarrier.arrive(q_empty.index(WG), count=1)
             it += n_tiles
@@ -480,7 +479,7 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
         # (With O_TMA, Q is no longer read: its buffer stages O for the TMA store.)
         _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, q_tile, o_desc, o_ptr, stride_ob, stride_oh,
                   stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales, O_TMA, FP8, False,
-                  HEAD_DIM, TAU)
+                  HEAD_DIM)
 
 
 @gluon.jit
