@@ -225,11 +225,11 @@ def _softmax_update(s, m_i, l_i, rows, n0, seqlen_k, diag, qk_scale, row_lo,
     """Online softmax on one raw S tile. m is kept in raw (unscaled) units so that
     p = exp2(s * scale - m * scale) is one FMA per element; that needs scale >= 0, so a
     negative scale is applied as -S times |scale|. P_SHIFT > 0 gives p * 2**P_SHIFT (fp8:
-    P in [0, 256] before its e4m3 rounding). Returns (p, m, l, alpha).
+    P in [0, 256] before its e4m3 rounding). Returns (p, m, l, alpha, grew).
 
     TAU > 0 (lazy rescale): m is the reference max of the exponents, moved to the running max
     only in rows whose max grew by more than TAU (scaled log2 units); elsewhere alpha is 1 and
-    m stays, so p <= 2**TAU (times 2**P_SHIFT). Also returns `grew`, the rows that moved."""
+    m stays, so p <= 2**TAU (times 2**P_SHIFT). `grew`: the rows that moved (TAU = 0: unused)."""
     if NEG_SCALE:
         s = -s
     need_mask = n0 + BLOCK_N > seqlen_k
@@ -250,6 +250,7 @@ def _softmax_update(s, m_i, l_i, rows, n0, seqlen_k, diag, qk_scale, row_lo,
         m_scaled = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
         alpha = gl.where(grew, gl.exp2(m_old - m_scaled), 1.0)
     else:
+        grew = m_new != m_new  # unused without TAU
         m_scaled = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
         alpha = gl.exp2(m_i * qk_scale - m_scaled)
     if P_SHIFT:
@@ -257,10 +258,7 @@ def _softmax_update(s, m_i, l_i, rows, n0, seqlen_k, diag, qk_scale, row_lo,
     else:
         p = gl.exp2(s * qk_scale - m_scaled[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
-    if TAU > 0:
-        return p, m_new, l_i, alpha, grew
-    else:
-        return p, m_new, l_i, alpha
+    return p, m_new, l_i, alpha, grew
 
 
 @gluon.jit
@@ -330,13 +328,10 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
         mbarrier.arrive(turn.index((WG + 1) % NUM_WG), count=1)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(first), count=1)
+    p, m_i, l_i, alpha, grew = _softmax_update(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale, row_lo,
+                                               CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT, TAU)
     if TAU > 0:
-        p, m_i, l_i, alpha, grew = _softmax_update(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale, row_lo,
-                                                   CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT, TAU)
         rescale = gl.to_tensor(False)  # O is still zero
-    else:
-        p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale, row_lo,
-                                             CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT)
     for j in range(1, n_tiles):
         g = it + j
         stage = g % STAGES
@@ -359,13 +354,10 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
         # S(j) completes first (groups retire in order); its softmax overlaps P(j-1) V(j-1).
         s = warpgroup_mma_wait(1, deps=(s,))
         mbarrier.arrive(k_empty.index(stage), count=1)
+        p, m_i, l_i, alpha, grew = _softmax_update(s, m_i, l_i, rows, j * BLOCK_N, seqlen_k, diag, qk_scale,
+                                                   row_lo, CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT, TAU)
         if TAU > 0:
-            p, m_i, l_i, alpha, grew = _softmax_update(s, m_i, l_i, rows, j * BLOCK_N, seqlen_k, diag, qk_scale,
-                                                       row_lo, CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT, TAU)
             rescale = _any_row(grew)
-        else:
-            p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, rows, j * BLOCK_N, seqlen_k, diag, qk_scale,
-                                                 row_lo, CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(prev), count=1)
     if RELEASE_Q:  # every S of this tile is complete: Q may be overwritten
