@@ -219,6 +219,65 @@ def test_gluon_ws_backward_d64_m128(rng, monkeypatch, kernel, mask, shape):
         assert f"sm90_gluon_ws_m128n128w8s{stages}" in line, line
         check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
 
+def _d256_ws_dispatcher():
+    """The registry with its D=256 Gluon dK/dV config made warp-specialized (pipeline gluon_ws:
+    bwd_gluon._ws_compute_d256, 64 keys x 64 queries, 2 stages, dQ staged in the consumed Q/dO
+    stage); it is not in the registry until measured (docs/notes/bwd-d256-ws.md)."""
+    import dataclasses
+
+    from fmha import Registry, default_registry
+    from fmha.configs import Family, Pipeline
+    from fmha.dispatcher import Dispatcher
+
+    configs = []
+    for c in default_registry():
+        if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon and c.signature.head_dims == (256,):
+            c = type(c)(c.signature, dataclasses.replace(c.algorithm, pipeline=Pipeline.GLUON_WS), notes=c.notes)
+        configs.append(c)
+    return Dispatcher(Registry(configs, name="gluon-bwd-d256-ws"))
+
+
+# SHAPES["gluon_ws"][256] changes: the default (P^T, dS^T from shared memory), dQ by the
+# writer's red.v4 (what dq_acc TMA cannot address gets), P^T/dS^T converted to register
+# operands, dQ's second half issued before the first half's store.
+D256_WS_KERNELS = {"default": {}, "atomics": {"dq_tma": 0}, "convert": {"ps_smem": 0}, "dq_early": {"dq_early": 1}}
+
+
+def _check_d256_ws(rng, monkeypatch, kernel, mask, shape, dtype=torch.bfloat16):
+    from fmha.kernels import bwd_gluon
+
+    from attn_testing import check_backward
+
+    shapes = {p: {d: dict(sh) for d, sh in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
+    shapes["gluon_ws"][256].update(D256_WS_KERNELS[kernel])
+    monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
+    q, k, v, kw = _masked_problem(rng, dtype, 256, mask, shape)
+    with fmha.api.use_dispatcher(_d256_ws_dispatcher()):
+        line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
+        assert "sm90_gluon_ws_m64n64w8s2" in line, line
+        check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
+
+
+@pytest.mark.parametrize("kernel", list(D256_WS_KERNELS))
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1533), (1, 2, 2, 700, 77), (2, 4, 1, 77, 700),
+                                   (1, 4, 4, 1024, 1024), (1, 2, 2, 1001, 1001)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gluon_ws_backward_d256(rng, monkeypatch, kernel, mask, shape):
+    """The warp-specialized D=256 dK/dV kernel against float64: GQA (4 query heads a KV head:
+    the ring crosses query heads), both causal alignments with Sq < Sk and Sq > Sk (key tiles
+    without a query), sequences off the 64-row tiles, Sq % 4 != 0 (LSE/delta by ld.global, not
+    TMA), dQ by TMA reduce-add or the writer's atomics, both P^T/dS^T paths, DQ_EARLY."""
+    _check_d256_ws(rng, monkeypatch, kernel, mask, shape)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_gluon_ws_backward_d256_fp16_long(rng, monkeypatch, mask):
+    """fp16, 2048 x 2048 with 4 query heads a KV head: 128 tiles a key tile, the 2-stage ring's
+    phases wrap 64 times."""
+    _check_d256_ws(rng, monkeypatch, "default", mask, (1, 8, 2, 2048, 2048), dtype=torch.float16)
+
+
 def test_warp_specialized_backward_is_chosen_at_d64(rng):
     q, k, v, kw = _masked_problem(rng, torch.bfloat16, 64, "causal", (1, 4, 4, 1024, 1024))
     line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
