@@ -342,7 +342,9 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr,
 # memory; the writer adds it to dq_acc by TMA reduce-add (DQ_TMA) or else with
 # `red.global.add.v4.f32`. One 8-warp compute partition: two warpgroups over the 128 keys, in
 # lockstep at the dS^T barrier as in bwd_dkdv_kernel (separate partitions per warpgroup, each
-# with its own partial dQ, measured slower: docs/performance.md, attempt 23).
+# with its own partial dQ, measured slower: docs/performance.md, attempt 23). D=256
+# (`_ws_compute_d256`, DQ_ALIAS): 64 keys split by head-dim columns as in bwd_dkdv_kernel, dQ
+# handed over in the consumed Q/dO stage, which the writer releases (docs/notes/bwd-d256-ws.md).
 
 @gluon.jit
 def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
