@@ -3,6 +3,7 @@ reasons, TMA alignment detection, and a real sm90 compile of the kernel (Triton 
 ptxas). Its numerics run on the GPU: tests/test_gpu_gluon.py."""
 
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -164,7 +165,7 @@ def test_empty_problems_take_the_triton_backward(change, reason):
 
 
 @pytest.mark.parametrize("head_dim,pipeline", [(64, Pipeline.GLUON_WS), (128, Pipeline.GLUON_WS),
-                                               (256, Pipeline.GLUON)])
+                                               (256, Pipeline.GLUON_WS)])
 def test_sm90_half_precision_backward_gets_the_gluon_dkdv_kernel(head_dim, pipeline):
     problem = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, causal=True)
     config = Dispatcher(default_registry()).plan_backward(problem).config(Family.BWD_DQ_DK_DV)
@@ -232,6 +233,78 @@ def test_gluon_d256_backward_compiles_for_sm90(tmp_path, monkeypatch):
     config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon
                   and c.family == Family.BWD_DQ_DK_DV and c.signature.head_dims == (256,))
     _built_for_sm90(config, tmp_path, monkeypatch)
+
+
+def _ws_d256_config(**change):
+    """The registry's warp-specialized D=256 dK/dV config, optionally edited."""
+    import dataclasses
+
+    from fmha.configs import KernelConfig
+
+    config = next(c for c in default_registry() if c.algorithm.pipeline == Pipeline.GLUON_WS
+                  and c.family == Family.BWD_DQ_DK_DV and c.signature.head_dims == (256,))
+    return KernelConfig(config.signature, dataclasses.replace(config.algorithm, **change), notes=config.notes)
+
+
+# SHAPES["gluon_ws"][256] changes: the default (P^T and dS^T from shared memory), dQ by the
+# writer's red.v4 (dq_acc TMA cannot address), P^T/dS^T converted to register operands with
+# dQ's second half issued early.
+D256_WS_SHAPES = {"default": {}, "atomics": {"dq_tma": 0}, "convert_early": {"ps_smem": 0, "dq_early": 1}}
+
+
+@pytest.mark.parametrize("shape", list(D256_WS_SHAPES))
+def test_gluon_ws_d256_backward_compiles_for_sm90(tmp_path, monkeypatch, shape):
+    """The warp-specialized D=256 dK/dV kernel (64 keys x 64 queries, 2 stages, dQ staged in
+    the consumed Q/dO stage: bwd_gluon._ws_compute_d256) fits in 227 KB without dQ buffers,
+    and adds dQ in two column halves by TMA reduce-add (or red.v4 where TMA cannot)."""
+    from fmha.kernels import bwd_gluon
+
+    shapes = {p: {d: dict(sh) for d, sh in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
+    shapes["gluon_ws"][256].update(D256_WS_SHAPES[shape])
+    monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
+    kernels = _built_for_sm90(_ws_d256_config(), tmp_path, monkeypatch)
+    assert [k.variant for k in kernels] == ["plain", "causal"]
+    for kernel in kernels:
+        ptx = _ptx(kernel)
+        assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240\b", ptx)  # the compute warpgroups
+        if shape == "atomics":
+            assert "red.relaxed.gpu.global.add.v4.f32" in ptx and "cp.reduce.async.bulk" not in ptx
+        else:
+            assert ptx.count("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add") >= 2  # the two halves
+            assert "red.global" not in ptx and "atom.global" not in ptx
+
+
+def test_gluon_ws_d256_limits():
+    """At D=256 the warp-specialized kernel takes 64 x 64 tiles and at most 2 stages (a third
+    64 KB Q/dO stage needs 280 KB); its launch passes dQ's 128-column halves to the TMA."""
+    from fmha.configs import ConfigError
+    from fmha.kernels import bwd_gluon
+
+    _ws_d256_config()
+    for change in (dict(num_stages=3), dict(block_n=128), dict(block_m=128), dict(num_warps=4)):
+        with pytest.raises(ConfigError, match="head dim 256 64 queries against 64 keys"):
+            _ws_d256_config(**change)
+    with pytest.raises(ValueError, match="shared memory"):
+        bwd_gluon.compile_spec("bf16", 256, 64, 64, 3, causal=False, warp_specialized=True)
+    signature, constexprs, options = bwd_gluon.compile_spec("bf16", 256, 64, 64, 2, causal=True,
+                                                            warp_specialized=True)
+    assert constexprs["DQ_ALIAS"] and constexprs["PS_SMEM"] and not constexprs["DQ_EARLY"]
+    assert constexprs["DQ_COLS"] == 128 and "[1,1,64,128]" in signature["dq_acc"]
+    assert options == {"num_warps": 8, "maxnreg": 168}
+    assert bwd_gluon.ws_shared_bytes(256, 64, 64, 2, 0) <= 232448 < bwd_gluon.ws_shared_bytes(256, 64, 64, 3, 0)
+    # The 128-key kernels keep their hand-over buffers.
+    assert not bwd_gluon.compile_spec("bf16", 128, 64, 128, 3, causal=False, warp_specialized=True)[1]["DQ_ALIAS"]
+
+
+def test_gluon_ws_d256_leads_the_registry():
+    """The warp-specialized D=256 backward comes first (measured 1.06x cuDNN, the other 0.945x);
+    the kernel without warp specialization stays as the second choice."""
+    problem = _problem(head_dim_qk=256, head_dim_v=256, causal=True)
+    ranked = [c for c in default_registry() if c.family == Family.BWD_DQ_DK_DV and c.signature.head_dims == (256,)
+              and c.algorithm.pipeline.is_gluon]
+    assert [c.algorithm.pipeline for c in ranked] == [Pipeline.GLUON_WS, Pipeline.GLUON]
+    config = Dispatcher(default_registry()).plan_backward(problem).config(Family.BWD_DQ_DK_DV)
+    assert config == ranked[0]
 
 
 def test_gluon_fp8_kernel_compiles_for_sm90(tmp_path, monkeypatch):

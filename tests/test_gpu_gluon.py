@@ -129,15 +129,15 @@ def test_gluon_backward_bshd_realistic_and_strided_dout(rng):
 
 
 def _backward_dispatcher(pipeline):
-    """The registry without the D 64/128 Gluon dK/dV configs of the other pipeline: the
-    kernel with or without warp specialization, whichever the registry puts first."""
+    """The registry without the Gluon dK/dV configs of the other pipeline: the kernel with or
+    without warp specialization, whichever the registry puts first."""
     from fmha import Registry, default_registry
     from fmha.configs import Family
     from fmha.dispatcher import Dispatcher
 
     configs = [c for c in default_registry()
                if not (c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon
-                       and c.signature.head_dims in ((64,), (128,)) and c.algorithm.pipeline.value != pipeline)]
+                       and c.algorithm.pipeline.value != pipeline)]
     return Dispatcher(Registry(configs, name=f"gluon-bwd-{pipeline}"))
 
 
@@ -151,6 +151,15 @@ def test_gluon_backward_both_pipelines(rng, monkeypatch, dq, pipeline, head_dim,
     that one at more shapes), with dQ by TMA reduce-add (the default) and by atomics (what
     dQ accumulators TMA cannot address get)."""
     _check_backward_with_shape(rng, monkeypatch, pipeline, head_dim, mask, shape, dq_tma=int(dq == "tma"))
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1533), (1, 2, 2, 700, 77), (2, 4, 1, 77, 700)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gluon_backward_d256_without_warp_specialization(rng, monkeypatch, mask, shape):
+    """The registry's second D=256 dK/dV kernel (no warp specialization; `fmha tune` times it
+    against the first), dQ staged in the Q/dO buffers and added by TMA reduce-add."""
+    _check_backward_with_shape(rng, monkeypatch, "gluon", 256, mask, shape)
 
 
 def _check_backward_with_shape(rng, monkeypatch, pipeline, head_dim, mask, shape, **changes):
@@ -169,7 +178,6 @@ def _check_backward_with_shape(rng, monkeypatch, pipeline, head_dim, mask, shape
         block_m = 128 if (pipeline, head_dim) == ("gluon_ws", 64) else 64  # the registry's query tile
         assert f"sm90_{pipeline}_m{block_m}" in line, line
         check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
-
 
 
 def _m128_dispatcher(stages):
@@ -218,6 +226,47 @@ def test_gluon_ws_backward_d64_m128(rng, monkeypatch, kernel, mask, shape):
         line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
         assert f"sm90_gluon_ws_m128n128w8s{stages}" in line, line
         check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
+
+
+# SHAPES["gluon_ws"][256] changes: the default (P^T, dS^T from shared memory), dQ by the
+# writer's red.v4 (what dq_acc TMA cannot address gets), P^T/dS^T converted to register
+# operands, dQ's second half issued before the first half's store.
+D256_WS_KERNELS = {"default": {}, "atomics": {"dq_tma": 0}, "convert": {"ps_smem": 0}, "dq_early": {"dq_early": 1}}
+
+
+def _check_d256_ws(rng, monkeypatch, kernel, mask, shape, dtype=torch.bfloat16):
+    from fmha.kernels import bwd_gluon
+
+    from attn_testing import check_backward
+
+    shapes = {p: {d: dict(sh) for d, sh in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
+    shapes["gluon_ws"][256].update(D256_WS_KERNELS[kernel])
+    monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
+    q, k, v, kw = _masked_problem(rng, dtype, 256, mask, shape)
+    line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
+    assert "sm90_gluon_ws_m64n64w8s2" in line, line  # the registry's first D=256 choice
+    check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
+
+
+@pytest.mark.parametrize("kernel", list(D256_WS_KERNELS))
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1533), (1, 2, 2, 700, 77), (2, 4, 1, 77, 700),
+                                   (1, 4, 4, 1024, 1024), (1, 2, 2, 1001, 1001)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gluon_ws_backward_d256(rng, monkeypatch, kernel, mask, shape):
+    """The warp-specialized D=256 dK/dV kernel against float64: GQA (4 query heads a KV head:
+    the ring crosses query heads), both causal alignments with Sq < Sk and Sq > Sk (key tiles
+    without a query), sequences off the 64-row tiles, Sq % 4 != 0 (LSE/delta by ld.global, not
+    TMA), dQ by TMA reduce-add or the writer's atomics, both P^T/dS^T paths, DQ_EARLY."""
+    _check_d256_ws(rng, monkeypatch, kernel, mask, shape)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_gluon_ws_backward_d256_fp16_long(rng, monkeypatch, mask):
+    """fp16, 2048 x 2048 with 4 query heads a KV head: 128 tiles a key tile, the 2-stage ring's
+    phases wrap 64 times."""
+    _check_d256_ws(rng, monkeypatch, "default", mask, (1, 8, 2, 2048, 2048), dtype=torch.float16)
+
 
 def test_warp_specialized_backward_is_chosen_at_d64(rng):
     q, k, v, kw = _masked_problem(rng, torch.bfloat16, 64, "causal", (1, 4, 4, 1024, 1024))

@@ -20,6 +20,9 @@ B=4, H=16, S 4096/8192, D 64/128/256, bf16, causal and not (plus the GQA shape 4
                          mask S=1024 D 128/256 (the orders are the same there).
                          Names: _persist_lpt (longest row tiles of all heads first), _persist_heads
                          (heads outermost).
+        [--suite-full]   with --variants: the standard suite's shapes without a mask instead
+                         (one-tile against persistent where no tile order applies; with --tau 8
+                         each also at the other rescale setting)
 """
 
 import json
@@ -44,6 +47,8 @@ GLUON_VARIANTS = {
 TRITON_TILE = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 32, 8, 2)}
 
 
+# (B, Hq, Hk, S) of the standard suite (fmha bench).
+SUITE_SHAPES = [(16, 16, 16, 1024), (4, 16, 16, 4096), (2, 16, 16, 8192), (1, 16, 16, 16384), (4, 32, 8, 8192)]
 PERSISTENT_VARIANTS = {"lpt": {"tile_order": 0}, "heads": {"tile_order": 1}}
 
 
@@ -137,6 +142,8 @@ def main() -> int:
         shapes += [(16, 16, 16, 1024, d, False) for d in hdims if d != 64 or tau]
         if tau:  # the suite's long shapes too: where the rescale's cost shows
             shapes += [(2, 16, 16, 8192, d, c) for d in hdims for c in (False, True)]
+        if "--suite-full" in sys.argv:  # instead: the standard suite's rows without a mask
+            shapes = [(b, hq, hk, s, d, False) for d in hdims for b, hq, hk, s in SUITE_SHAPES]
     elif "--short" in sys.argv:
         shapes = [(16, 16, 16, 1024, d, c) for d in hdims for c in (False, True)]
         shapes += [(16, 32, 8, 1024, 128, c) for c in (False, True) if 128 in hdims]

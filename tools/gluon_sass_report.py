@@ -15,7 +15,9 @@ Two specializations per variant:
 
 --seqlen S: the launch problem's sequence length (e.g. 4095: no TMA for LSE/delta, no divisibility).
 --group G: query heads per KV head (16 query heads).
---ws: the warp-specialized kernel (pipeline gluon_ws, its registry configs) instead.
+--ws: the warp-specialized kernel (pipeline gluon_ws, its registry configs and the D=256 tile) instead;
+    its "regs" column is the launch's 168 (the partitions `setmaxnreg` 240 / 24), so a column
+    "rmax" adds the highest register the SASS uses + 1 (the compute warpgroups' need of 240).
 --hdims: only these head dims.
 --variants D:M:N:S,...: these (head_dim, block_m, block_n, stages) instead of the registry's,
     e.g. --ws --variants 64:128:128:2 (the 128-query warp-specialized tile).
@@ -59,8 +61,9 @@ TARGET = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 GMMA = ("HGMMA", "QGMMA")  # warpgroup MMAs: 16-bit, fp8
 # (head_dim, block_m, block_n, stages): the registry's Gluon backward configs.
-VARIANTS = [(64, 64, 128, 3), (128, 64, 128, 2)]
-WS_VARIANTS = [(64, 64, 128, 3), (128, 64, 128, 3)]  # pipeline gluon_ws
+VARIANTS = [(64, 64, 128, 3), (128, 64, 128, 2), (256, 64, 64, 2)]
+# pipeline gluon_ws; D=256: `_ws_compute_d256` (not in the registry yet, docs/notes/bwd-d256-ws.md)
+WS_VARIANTS = [(64, 64, 128, 3), (128, 64, 128, 3), (256, 64, 64, 2)]
 COUNTED = ["REDG", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "STSM", "LDL", "STL", "HGMMA", "BAR", "BRA"]
 _LINE = re.compile(r"/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 
@@ -250,7 +253,13 @@ def compile_variant(head_dim, block_m, block_n, stages, causal, mode, dump: Path
     tile = f"_m{block_m}" if block_m != 64 else ""
     name = f"{'ws_' if ws else ''}d{head_dim}{tile}_s{stages}_{'causal' if causal else 'full'}_{mode}"
     sass, fields = compile_sass(GluonASTSource(kernel, signature, constexprs, attrs), options, name, dump)
-    return {"variant": name, **fields, "loop": loop_counts(sass)}
+    return {"variant": name, **fields, "max_register": max_register(sass), "loop": loop_counts(sass)}
+
+
+def max_register(sass: str) -> int:
+    """The highest general register the SASS names, + 1 (under `setmaxnreg`, what the partition
+    that uses the most registers needs)."""
+    return 1 + max((int(r) for r in re.findall(r"\bR(\d+)\b", sass)), default=-1)
 
 
 def main() -> int:
@@ -273,13 +282,14 @@ def main() -> int:
         bwd_gluon.SHAPES = {**bwd_gluon.SHAPES, pipeline: {d: {**shape, **changes}
                                                            for d, shape in bwd_gluon.SHAPES[pipeline].items()}}
     rows = []
-    print(table_header(24, COUNTED))
+    print(table_header(24, COUNTED) + ("  rmax" if ws else ""))
     for (head_dim, block_m, block_n, stages), causal, mode in (
             (v, c, m) for v in variants for c in (False, True) for m in modes):
         t0 = time.time()
         row = compile_variant(head_dim, block_m, block_n, stages, causal, mode, dump, seqlen, group, ws)
         rows.append(row)
-        print_row(row, 24, row["loop"], COUNTED, tail=f"  ({time.time() - t0:.0f}s)")
+        rmax = f"  {row['max_register']:>4}" if ws else ""
+        print_row(row, 24, row["loop"], COUNTED, tail=f"{rmax}  ({time.time() - t0:.0f}s)")
     return finish(rows)
 
 

@@ -244,13 +244,19 @@ def _gluon_rule_violations(s: Signature, a: Algorithm) -> list[str]:
         if a.pipeline == Pipeline.GLUON_WS:
             # block_m 128 (D=64 only): 128-query stages worked in two 64-query halves
             # (bwd_gluon._ws_compute_m128); at D=128 its stages and dQ buffer leave no room.
-            if (a.block_n, a.num_warps) != (128, 8) or s.head_dim_max not in (64, 128) or not (
-                    a.block_m == 64 or (a.block_m == 128 and s.head_dim_max == 64 and a.num_stages <= 3)):
+            # D=256: 64 keys, dQ staged in the consumed Q/dO stage (bwd_gluon._ws_compute_d256);
+            # a third 64 KB stage does not fit (2 stages: 214 KB).
+            d = s.head_dim_max
+            tile_128_keys = a.block_n == 128 and d in (64, 128) and (
+                a.block_m == 64 or (a.block_m == 128 and d == 64 and a.num_stages <= 3))
+            tile_d256 = d == 256 and (a.block_m, a.block_n) == (64, 64) and a.num_stages <= 2
+            if a.num_warps != 8 or not (tile_128_keys or tile_d256):
                 rules.append(f"pipeline {a.pipeline.value}: the warp-specialized Gluon dK/dV kernel runs 64 queries "
                              f"against 128 keys on 8 compute warps (block_m 64, block_n 128, num_warps 8) at head "
-                             f"dim 64 or 128 (its dQ hand-over buffers leave no room at 256), or at head dim 64 "
-                             f"128 queries (block_m 128, at most 3 stages), got block_m={a.block_m} "
-                             f"block_n={a.block_n} num_warps={a.num_warps} stages={a.num_stages}")
+                             f"dim 64 or 128, or at head dim 64 128 queries (block_m 128, at most 3 stages), or at "
+                             f"head dim 256 64 queries against 64 keys (block_m 64, block_n 64, at most 2 stages), "
+                             f"got head dim {d} block_m={a.block_m} block_n={a.block_n} num_warps={a.num_warps} "
+                             f"stages={a.num_stages}")
         elif (a.block_m != 64 or (a.block_n, a.num_warps) not in ((64, 4), (64, 8), (128, 8))
                 or a.pipeline != Pipeline.GLUON):
             rules.append(f"pipeline {a.pipeline.value}: the Gluon dK/dV kernel runs 64 queries against 64 keys "

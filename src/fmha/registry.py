@@ -221,7 +221,7 @@ def default_registry() -> Registry:
     # dK/dV: block_n is the program's key tile, block_m the query tile it loops over.
     bwd_notes = "FA3-style backward: wgmma, TMA ring, dQ by TMA reduce-add (D=256: atomics)"
     ws_bwd = "FA3-style warp-specialized backward: loader warp, dQ by TMA reduce-add from a writer warp"
-    # Both kernels at D 64/128, the faster first (H200, 2026-11-30: warp specialization
+    # Both kernels at every head dim, the faster first (H200, 2026-11-30: warp specialization
     # +16-25% at D=64, attempt 22; with dQ by TMA reduce-add, 3 stages and one dQ buffer it
     # leads at D=128 too, attempt 25); `fmha tune` times both. D=64: 128-query stages in two
     # 64-query halves (bwd_gluon._ws_compute_m128), 1.00x cuDNN where m64 ran 0.885x (attempt 31).
@@ -230,7 +230,11 @@ def default_registry() -> Registry:
                 _gluon_config(Family.BWD_DQ_DK_DV, 64, 64, 128, 8, 3, Pipeline.GLUON, bwd_notes),
                 _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 3, Pipeline.GLUON_WS, ws_bwd),
                 _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 2, Pipeline.GLUON, bwd_notes),
-                # D=256: 64 keys (dK and dV take 128 registers a thread), dQ in two halves.
+                # D=256: 64 keys (dK and dV take 128 registers a thread), dQ in two halves;
+                # warp-specialized with dQ staged in the consumed Q/dO stage, 1.06x cuDNN where
+                # the other ran 0.945x (H200, 2026-11-30, attempt 36).
+                _gluon_config(Family.BWD_DQ_DK_DV, 256, 64, 64, 8, 2, Pipeline.GLUON_WS,
+                              ws_bwd + ", dQ halves staged in the consumed Q/dO stage"),
                 _gluon_config(Family.BWD_DQ_DK_DV, 256, 64, 64, 8, 2, Pipeline.GLUON, bwd_notes)]
     configs += _family_configs(Family.BWD_DQ_DK_DV, [
         # H200, 2026-11-29: m32 n64 w4 s3 runs 256/223 TFLOP/s (m64 n128 w8 s2: 152/116), but

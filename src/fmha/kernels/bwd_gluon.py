@@ -342,7 +342,9 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr,
 # memory; the writer adds it to dq_acc by TMA reduce-add (DQ_TMA) or else with
 # `red.global.add.v4.f32`. One 8-warp compute partition: two warpgroups over the 128 keys, in
 # lockstep at the dS^T barrier as in bwd_dkdv_kernel (separate partitions per warpgroup, each
-# with its own partial dQ, measured slower: docs/performance.md, attempt 23).
+# with its own partial dQ, measured slower: docs/performance.md, attempt 23). D=256
+# (`_ws_compute_d256`, DQ_ALIAS): 64 keys split by head-dim columns as in bwd_dkdv_kernel, dQ
+# handed over in the consumed Q/dO stage, which the writer releases (docs/notes/bwd-d256-ws.md).
 
 @gluon.jit
 def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -593,6 +595,154 @@ def _ws_compute_partition(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLO
 
 
 @gluon.jit
+def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
+                     DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr):
+    """`_ws_compute` for D=256 (DQ_ALIAS): bwd_dkdv_kernel's 64 keys x 64 queries on 8 warps
+    (warpgroup w: S^T/dP^T of queries 32w..32w+31, dK/dV of head-dim columns 128w..128w+127; P^T
+    and dS^T reach the other warpgroup's queries through shared memory), dQ in two column
+    halves staged in the tile's own Q and dO buffers (64 x 256 bf16 = 64 x 128 fp32 each):
+
+        S^T, dP^T -> P^T, dS^T -> dV += P^T dO, dK += dS^T Q; dS^T to shared memory, barrier
+        -> dQ_0 = dS K[:, :128]; wait dV, dK, dQ_0; barrier (no warp reads Q or dO any more)
+        -> dQ_0 over Q; dQ_1 = dS K[:, 128:]; dQ_1 over dO; fence, barrier; arrive dq_full[stage].
+
+    No hand-over buffer and no dq_empty: the writer adds both halves (TMA reduce-add) and then
+    releases the stage to the loader itself (`empty`), so the ring is the hand-over's flow
+    control. DQ_EARLY: dQ_1 issued before the barrier and dQ_0's store (on the tensor cores
+    while they run; 32 more registers live).
+    PS_SMEM (FlashAttention-3's D=256 way): P^T goes to `p_smem` (stored as soon as it is
+    formed, under dP^T) and the dV and dK products take P^T and dS^T from shared memory after
+    the dS^T barrier, instead of converting both to register operands (each conversion is 2-3
+    round trips through a scratch buffer with a 256-thread barrier each: 11 CTA barriers a
+    tile against 4)."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
+    (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+     qk_scale, scale) = out_args
+    gl.static_assert(2 * DQ_COLS == HEAD_DIM, "dQ halves staged in the Q and dO buffers")
+    dtype: gl.constexpr = q_desc.dtype
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    st_layout: gl.constexpr = acc_layout(BLOCK_N, BLOCK_M, NUM_WARPS)  # S^T, dP^T: keys x queries
+    kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, NUM_WARPS)  # dK, dV
+    dq_layout: gl.constexpr = acc_layout(BLOCK_M, DQ_COLS, NUM_WARPS)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+    dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
+
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    mbarrier.wait(kv_bar, 0)
+    for it in range(group * n_m):
+        stage = it % STAGES
+        phase = (it // STAGES) & 1
+        h = hq0 + it // n_m
+        m0 = (m_start + it % n_m) * BLOCK_M
+        q_tile = q_smem.index(stage)
+        do_tile = do_smem.index(stage)
+        mbarrier.wait(ready.index(stage), phase)
+        st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+        lse2 = _lse_row(lse, lse_smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q, stride_lb, stride_lh,
+                        stride_lm, st_layout, STATS_TMA, BLOCK_M)
+        pt = _probs(st, lse2, keys, queries, n0, m0, seqlen_k, diag, qk_scale, CAUSAL, BLOCK_N)
+        if PS_SMEM:
+            p_smem.store(pt.to(dtype))  # (dP^T still on the tensor cores)
+        delta_row = _delta_row(delta, delta_smem, stage, b, h, queries, seqlen_q, stride_deb, stride_deh,
+                               stride_dem, st_layout, STATS_TMA)
+        dpt = warpgroup_mma_wait(0, deps=(dpt,))
+        dst16 = (pt * (dpt - delta_row)).to(dtype)
+        if PS_SMEM:
+            ds_smem.store(dst16)
+            fence_async_shared()
+            gl.thread_barrier()  # P^T and dS^T complete in shared memory (both warpgroups' queries)
+            dv = warpgroup_mma(p_smem, do_tile, dv, is_async=True)
+            dk = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
+        else:
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(dst16, a_layout), q_tile, dk, is_async=True)
+            ds_smem.store(dst16)
+            fence_async_shared()
+            gl.thread_barrier()  # dS^T complete in shared memory (both warpgroups' queries)
+        dq_half0 = q_tile._reinterpret(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout)
+        dq_half1 = do_tile._reinterpret(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout)
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(0, DQ_COLS, dim=1), dq_zero, use_acc=False,
+                           is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        if DQ_EARLY:
+            dq1 = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(DQ_COLS, DQ_COLS, dim=1), dq_zero,
+                                use_acc=False, is_async=True)
+            gl.thread_barrier()  # every warp's dK/dV products (the Q and dO readers) are done
+            dq_half0.store(dq)
+            dq1 = warpgroup_mma_wait(0, deps=(dq1,))
+            dq_half1.store(dq1)
+        else:
+            gl.thread_barrier()  # every warp's dK/dV products (the Q and dO readers) are done
+            dq_half0.store(dq)
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(DQ_COLS, DQ_COLS, dim=1), dq_zero,
+                               use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            dq_half1.store(dq)
+        # Always fenced: the loader's next TMA copy into this stage (async proxy) follows these
+        # generic stores, also where the writer reads them with ld.shared (no DQ_TMA).
+        fence_async_shared()
+        gl.thread_barrier()  # dQ stored by every warp; every product reading dS^T is done
+        mbarrier.arrive(dq_full.index(stage), count=1)
+    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+
+
+@gluon.jit
+def _ws_dq_writer_alias(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
+    """`_ws_dq_writer` for `_ws_compute_d256`: dQ's two column halves lie in the stage's Q and
+    dO buffers (fp32, BLOCK_M x DQ_COLS each); after adding them (two TMA reduce-adds, or the
+    red.v4 blocks of `_ws_dq_writer`) the writer, not the compute warps, releases the stage."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    ROWS: gl.constexpr = 8
+    COLS: gl.constexpr = 32
+    gl.static_assert(gl.num_warps() == 2, "a block of 8 x 32 fp32 is one quad per thread of 2 warps")
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [2, 1], [1, 0])
+    dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    block_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    offsets = block_rows[:, None] * stride_dqm + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))[None, :]
+    for it in range(group * n_m):
+        stage = it % STAGES
+        h = hq0 + it // n_m
+        m0 = (m_start + it % n_m) * BLOCK_M
+        mbarrier.wait(dq_full.index(stage), (it // STAGES) & 1)
+        dq_half0 = q_smem.index(stage)._reinterpret(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout)
+        dq_half1 = do_smem.index(stage)._reinterpret(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout)
+        if DQ_TMA:
+            tma_reduce_add(dq_acc, [b, h, m0, 0], dq_half0.reshape(dq_acc.block_type.shape))
+            tma_reduce_add(dq_acc, [b, h, m0, DQ_COLS], dq_half1.reshape(dq_acc.block_type.shape))
+            tma.store_wait(0)
+        else:
+            tile = dq_acc + b.to(gl.int64) * stride_dqb + h * stride_dqh + m0.to(gl.int64) * stride_dqm
+            for r in gl.static_range(0, BLOCK_M, ROWS):
+                in_range = (m0 + r + block_rows < seqlen_q).to(gl.int32)[:, None]
+                for c in gl.static_range(0, DQ_COLS, COLS):
+                    dq = dq_half0.slice(r, ROWS, dim=0).slice(c, COLS, dim=1).load(layout)
+                    _red_add_v4(tile + (r * stride_dqm + c) + offsets, dq, in_range)
+                    dq = dq_half1.slice(r, ROWS, dim=0).slice(c, COLS, dim=1).load(layout)
+                    _red_add_v4(tile + (r * stride_dqm + DQ_COLS + c) + offsets, dq, in_range)
+            fence_async_shared()  # these generic reads before the loader's TMA refill of the stage
+        gl.thread_barrier()  # both warps have read the stage (or waited for the copy engine)
+        mbarrier.arrive(empty.index(stage), count=1)
+
+
+@gluon.jit
 def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr, dv_ptr,
                        stride_lb, stride_lh, stride_lm,
                        stride_deb, stride_deh, stride_dem,
@@ -602,10 +752,16 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
                        seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale,
                        CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
-                       DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
+                       DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr,
+                       DQ_ALIAS: gl.constexpr, DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr):
     """Arguments as bwd_dkdv_kernel's (dq_acc 16-byte aligned, strides multiples of 4; with
     DQ_TMA its descriptor, blocks of BLOCK_M x HEAD_DIM). DQ_BUFS: dQ hand-over buffers in shared
-    memory; DQ_COLS: dQ columns per product."""
+    memory; DQ_COLS: dQ columns per product.
+    DQ_ALIAS (D=256, `_ws_compute_d256`): no hand-over buffers (DQ_BUFS unused); dQ's two halves
+    of DQ_COLS columns are staged in the consumed stage's Q and dO buffers (dq_acc blocks of
+    BLOCK_M x DQ_COLS), one dq_full barrier per stage, and the writer releases the stage.
+    DQ_EARLY, PS_SMEM (with DQ_ALIAS; PS_SMEM: a BLOCK_N x BLOCK_M buffer for P^T): see
+    `_ws_compute_d256`."""
     dtype: gl.constexpr = q_desc.dtype
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -617,23 +773,38 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_smem_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM], dq_smem_layout)
+    if DQ_ALIAS:
+        dq_smem = q_smem  # (not read: dQ goes to the stage's Q and dO buffers)
+        if PS_SMEM:
+            p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_smem_layout)
+        else:
+            p_smem = ds_smem  # (not used)
+    else:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM], dq_smem_layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_smem_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_smem_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     stat_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+    if DQ_ALIAS:  # dQ of a stage handed over in the stage; the writer's `empty` releases it
+        dq_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        dq_empty = dq_full  # (not used)
+    else:
+        dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(stat_ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(DQ_BUFS):
-        mbarrier.init(dq_full.index(i), count=1)
-        mbarrier.init(dq_empty.index(i), count=1)
+    if DQ_ALIAS:
+        for i in gl.static_range(STAGES):
+            mbarrier.init(dq_full.index(i), count=1)
+    else:
+        for i in gl.static_range(DQ_BUFS):
+            mbarrier.init(dq_full.index(i), count=1)
+            mbarrier.init(dq_empty.index(i), count=1)
 
     args = (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
             seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
@@ -641,12 +812,20 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     lse_strides = (stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem)
     out_args = (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 qk_scale, scale)
-    gl.warp_specialize([
-        (_ws_compute_partition, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                 STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)),
-        (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
-        (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA)),
-    ], [1, 2], [WORKER_REGS, WORKER_REGS])
+    if DQ_ALIAS:  # D=256: 64 keys x 64 queries, dQ staged in the consumed Q/dO stage
+        gl.warp_specialize([
+            (_ws_compute_d256, (args, lse_strides, out_args, p_smem, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY, PS_SMEM)),
+            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
+            (_ws_dq_writer_alias, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, DQ_TMA)),
+        ], [1, 2], [WORKER_REGS, WORKER_REGS])
+    else:  # 64- or 128-query stages (_ws_compute_partition picks the body)
+        gl.warp_specialize([
+            (_ws_compute_partition, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                     STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)),
+            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
+            (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA)),
+        ], [1, 2], [WORKER_REGS, WORKER_REGS])
 
 
 def dq_columns(head_dim: int) -> int:
@@ -658,10 +837,14 @@ def dq_columns(head_dim: int) -> int:
 # atomics, attempt 25); dq_alias: its two column halves staged in the tile's Q and dO buffers
 # (D=256: a separate buffer does not fit next to its 218 KB).
 # Warp-specialized: dQ hand-over buffers (D=128: one, so 3 stages fit) and dQ columns per
-# product (64-column products measured 3% slower at D=128, attempt 22).
+# product (64-column products measured 3% slower at D=128, attempt 22); D=256 (dq_alias, no
+# hand-over buffer: `_ws_compute_d256`, docs/notes/bwd-d256-ws.md): dQ in two halves of 128
+# columns staged in the consumed Q/dO stage; dq_early: the second half's product issued before
+# the first half's store (not measured yet).
 SHAPES = {
     "gluon": {64: dict(dq_tma=1), 128: dict(dq_tma=1), 256: dict(dq_tma=1, dq_alias=1)},
-    "gluon_ws": {64: dict(dq_bufs=2, dq_cols=64, dq_tma=1), 128: dict(dq_bufs=1, dq_cols=128, dq_tma=1)},
+    "gluon_ws": {64: dict(dq_bufs=2, dq_cols=64, dq_tma=1), 128: dict(dq_bufs=1, dq_cols=128, dq_tma=1),
+                 256: dict(dq_bufs=0, dq_cols=128, dq_tma=1, dq_alias=1, dq_early=0, ps_smem=1)},
 }
 
 
@@ -702,9 +885,13 @@ def dq_quads_aligned(dq_acc) -> bool:
 
 def ws_shared_bytes(head_dim, block_m, block_n, stages, dq_bufs) -> int:
     """Shared memory of `bwd_dkdv_ws_kernel` (bf16/fp16): K and V, the Q/dO/LSE/delta ring, dS^T,
-    the fp32 dQ hand-over buffers; 444 bytes of barriers and alignment on top (as compiled)."""
+    the fp32 dQ hand-over buffers; 444 bytes of barriers and alignment on top (as compiled).
+    With 64 keys on 8 warps (D=256, dq_bufs 0) each warpgroup holds half the queries of P^T and
+    dS^T: P^T gets a block_n x block_m buffer of its own (PS_SMEM; as compiled: 214364 bytes at
+    2 stages) or their conversion to wgmma operands a scratch buffer (at most as large; 209996)."""
+    scratch = block_n * block_m * 2 if block_n < 128 else 0
     return (2 * block_n * head_dim * 2 + stages * (2 * block_m * head_dim * 2 + 2 * block_m * 4)
-            + block_n * block_m * 2 + dq_bufs * block_m * head_dim * 4 + 444)
+            + block_n * block_m * 2 + dq_bufs * block_m * head_dim * 4 + scratch + 444)
 
 
 def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, dq_tma, dq_v2, num_warps,
@@ -723,8 +910,12 @@ def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, d
             raise ValueError(f"warp-specialized dK/dV: block_m={block_m} block_n={block_n} stages={num_stages} "
                              f"dq_bufs={shape['dq_bufs']} at head dim {head_dim} needs {smem} bytes of shared "
                              f"memory, more than 232448")
-        constexprs = dict(common, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"], DQ_TMA=dq_tma)
-        return bwd_dkdv_ws_kernel, constexprs, {"num_warps": 8, "maxnreg": 168}, head_dim
+        alias = bool(shape.get("dq_alias"))  # (D=256: the reduce-adds are of dQ's column halves)
+        constexprs = dict(common, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"], DQ_TMA=dq_tma,
+                          DQ_ALIAS=alias, DQ_EARLY=alias and bool(shape.get("dq_early")),
+                          PS_SMEM=alias and bool(shape.get("ps_smem")))
+        return (bwd_dkdv_ws_kernel, constexprs, {"num_warps": 8, "maxnreg": 168},
+                shape["dq_cols"] if alias else head_dim)
     dq_cols = shape.get("dq_cols", dq_columns(head_dim))
     constexprs = dict(common, DQ_V2=dq_v2, DQ_COLS=dq_cols, DQ_TMA=dq_tma,
                       DQ_ALIAS=dq_tma and bool(shape.get("dq_alias")))
