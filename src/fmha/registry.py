@@ -140,7 +140,8 @@ _GLUON_FEATURES = frozenset({Feature.MASK, Feature.GQA})
 
 
 def _gluon_config(family, head_dim, block_m, block_n, warps, stages, pipeline, notes,
-                  features=_GLUON_FEATURES, dtypes=(DType.FP16, DType.BF16), persistent=False):
+                  features=_GLUON_FEATURES, dtypes=(DType.FP16, DType.BF16), persistent=False,
+                  max_unmasked_seqlen_k=0):
     """A Hopper Gluon config: fp16/bf16 (or fp8 e4m3 for the forward, with descales per tensor
     or per (batch, head)), one head dim (Dqk == Dv), causal or no mask, TMA.
     Forward (kernels/fwd_gluon.py): 128-row tiles, 4 warps in the config (the producer warp
@@ -149,7 +150,8 @@ def _gluon_config(family, head_dim, block_m, block_n, warps, stages, pipeline, n
     by TMA reduce-add or atomics (so not for deterministic problems)."""
     return KernelConfig(
         Signature(family, dtypes, ("sm90",), head_dim, head_dim, features,
-                  head_dims=(head_dim,), sliding_window=False, needs_tma=True, fp8_block_descale=False),
+                  head_dims=(head_dim,), sliding_window=False, needs_tma=True, fp8_block_descale=False,
+                  max_unmasked_seqlen_k=max_unmasked_seqlen_k),
         Algorithm(block_m, block_n, warps, stages, pipeline=pipeline, persistent=persistent), notes=notes)
 
 
@@ -176,12 +178,16 @@ def default_registry() -> Registry:
     # 2026-11-30, attempts 27 and 32): D=64 +4-17%, D 128/256 without a mask +2-19%, causal
     # D 128/256 +1-16% with tiles in pairs of a head's longest and shortest row tile (the
     # earlier LPT order over all heads was 3-13% slower than one tile a program there).
+    # Except at D 64/128 without a mask beyond 4096 keys: there the one-tile kernel with the
+    # lazy rescale (which the persistent ones at D 64/128 lose from) ran 1-4% faster (H200,
+    # 2026-11-30, two runs of tools/bench_gluon.py --variants , --tau 8; attempt 37).
+    long_unmasked = 4096
     configs = [
         _gluon_config(Family.FWD, 64, 128, 128, 4, 3, Pipeline.GLUON_WS, ws + ", persistent", fwd_features,
-                      persistent=True),
+                      persistent=True, max_unmasked_seqlen_k=long_unmasked),
         _gluon_config(Family.FWD, 64, 128, 128, 4, 3, Pipeline.GLUON_WS, ws, fwd_features),
         _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong, persistent", fwd_features,
-                      persistent=True),
+                      persistent=True, max_unmasked_seqlen_k=long_unmasked),
         _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong", fwd_features),
         _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong, persistent", fwd_features,
                       persistent=True),
