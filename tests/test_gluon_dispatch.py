@@ -386,3 +386,22 @@ def test_persistent_causal_tile_order():
     sim = Path(__file__).parent.parent / "tools" / "persistent_schedule_sim.py"
     out = subprocess.run([sys.executable, sim, "--check"], capture_output=True, text=True, check=True).stdout
     assert "check: ok" in out, out
+
+
+def test_short_causal_d128_takes_heads_outermost():
+    """launch's default tile order (attempt 41): heads outermost at D=128 with <= 8 row tiles a
+    head, pairs elsewhere; `fmha kernels build` compiles that order as its own variant."""
+    from fmha import precompile
+    from fmha.kernels import fwd_gluon
+
+    assert [fwd_gluon.default_tile_order(128, n) for n in (1, 8, 9, 64)] == [1, 1, 2, 2]
+    assert {fwd_gluon.default_tile_order(d, n) for d in (64, 256) for n in (1, 8, 64)} == {2}
+    for config in default_registry():
+        if config.family != Family.FWD or not config.algorithm.pipeline.is_gluon:
+            continue
+        jobs = dict(precompile.gluon_jobs(config, config.signature.dtypes[0]))
+        short = config.algorithm.persistent and config.signature.head_dims == (128,)
+        assert list(jobs) == ["plain", "causal"] + (["causal_short"] if short else []), config.name
+        orders = {v: dict(job.constexprs)["TILE_ORDER"] for v, job in jobs.items()}
+        assert orders == ({"plain": 0, "causal": 2, "causal_short": 1} if short
+                          else {"plain": 0, "causal": 2 if config.algorithm.persistent else 0}), config.name

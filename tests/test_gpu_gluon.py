@@ -290,7 +290,8 @@ PERSISTENT_SHAPES = [  # (batch, nhead_q, nhead_k, seqlen_q, seqlen_k)
 
 def _persistent_launches(monkeypatch, programs=None, tile_order=None):
     """Make the dispatcher's Gluon forward persistent (at most `programs` SMs), in causal tile order
-    `tile_order` (None: launch's default, pairs); returns the list the launches' (grid, number of CTA
+    `tile_order` (None: launch's default, `fwd_gluon.default_tile_order`); returns the list the
+    launches' (grid, number of CTA
     tiles) are appended to."""
     from fmha.kernels import fwd_gluon, launch_cache, loader
 
@@ -301,8 +302,10 @@ def _persistent_launches(monkeypatch, programs=None, tile_order=None):
         kwargs["persistent"] = True
         if tile_order is not None:
             kwargs["tile_order"] = tile_order
-        order = (2 if tile_order is None else tile_order) if kwargs["causal"] else 0
-        tiles = -(-q.shape[2] // kwargs["block_m"]) * q.shape[0] * q.shape[1]
+        row_tiles = -(-q.shape[2] // kwargs["block_m"])
+        default = fwd_gluon.default_tile_order(q.shape[3], row_tiles)
+        order = (default if tile_order is None else tile_order) if kwargs["causal"] else 0
+        tiles = row_tiles * q.shape[0] * q.shape[1]
 
         def record(kernel, grid, *a, **kw):
             assert kw["PERSISTENT"] is True
@@ -372,7 +375,7 @@ def test_gluon_persistent_fp8(rng, monkeypatch, head_dim, causal):
 
 
 @pytest.mark.parametrize("tile_order", [0, 1], ids=["lpt", "heads"])
-@pytest.mark.parametrize("head_dim", [128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("mask", ["causal", "causal_top_left"])
 @pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_gluon_forward_persistent_tile_orders(rng, monkeypatch, tile_order, head_dim, mask, shape):

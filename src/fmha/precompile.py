@@ -357,19 +357,29 @@ def make_job(spec: KernelSpec, config: KernelConfig, dtype: DType, variant: str)
 
 
 def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob]]:
-    """The compile calls of a Gluon config, plain and causal: the forward (kernels/fwd_gluon.py)
-    or the dK/dV backward with dQ added into an fp32 buffer (kernels/bwd_gluon.py)."""
+    """The compile calls of a Gluon config, plain and causal (and for the persistent forward at
+    D=128 causal_short: its tile order for <= 8 row tiles a head): the forward
+    (kernels/fwd_gluon.py) or the dK/dV backward with dQ added into an fp32 buffer
+    (kernels/bwd_gluon.py)."""
     from .kernels import bwd_gluon, fwd_gluon
 
     a = config.algorithm
+    head_dim = config.signature.head_dim_max
+    variants = ["plain", "causal"] if Feature.MASK in config.signature.features else ["plain"]
+    # The persistent causal forward's tile order for short problems, where it differs from the
+    # long problems' one (fwd_gluon.default_tile_order): a kernel of its own.
+    short_order = fwd_gluon.default_tile_order(head_dim, 1)
+    if config.family == Family.FWD and a.persistent and "causal" in variants \
+            and short_order != fwd_gluon.default_tile_order(head_dim, 1 << 20):
+        variants.append("causal_short")
     jobs = []
-    for variant in ("plain", "causal") if Feature.MASK in config.signature.features else ("plain",):
-        args = (TRITON_TYPES[dtype], config.signature.head_dim_max, a.block_m, a.block_n, a.num_stages)
+    for variant in variants:
+        args = (TRITON_TYPES[dtype], head_dim, a.block_m, a.block_n, a.num_stages)
         if config.family == Family.FWD:
             module, kernel = fwd_gluon, "fwd_ws_kernel"
             signature, constexprs, options = fwd_gluon.compile_spec(
-                *args, causal=variant == "causal", pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG,
-                persistent=a.persistent)
+                *args, causal=variant != "plain", pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG,
+                persistent=a.persistent, **({"tile_order": short_order} if variant == "causal_short" else {}))
         elif config.family == Family.BWD_DQ_DK_DV:
             ws = a.pipeline == Pipeline.GLUON_WS
             module, kernel = bwd_gluon, "bwd_dkdv_ws_kernel" if ws else "bwd_dkdv_kernel"
