@@ -162,16 +162,21 @@ def test_gluon_backward_d256_without_warp_specialization(rng, monkeypatch, mask,
     _check_backward_with_shape(rng, monkeypatch, "gluon", 256, mask, shape)
 
 
+def _change_bwd_shape(monkeypatch, pipeline, head_dim, changes):
+    """bwd_gluon.SHAPES[pipeline][head_dim] updated with `changes` for this test only."""
+    from fmha.kernels import bwd_gluon
+
+    shapes = {p: {d: dict(sh) for d, sh in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
+    shapes[pipeline][head_dim].update(changes)
+    monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
+
+
 def _check_backward_with_shape(rng, monkeypatch, pipeline, head_dim, mask, shape, **changes):
     """check_backward (float64 truth) through `pipeline`'s dK/dV kernel at `head_dim`, its
     kernel shape (bwd_gluon.SHAPES) changed so."""
-    from fmha.kernels import bwd_gluon
-
     from attn_testing import check_backward
 
-    shapes = {p: {d: dict(s) for d, s in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
-    shapes[pipeline][head_dim].update(changes)
-    monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
+    _change_bwd_shape(monkeypatch, pipeline, head_dim, changes)
     q, k, v, kw = _masked_problem(rng, torch.bfloat16, head_dim, mask, shape)
     with fmha.api.use_dispatcher(_backward_dispatcher(pipeline)):
         line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
@@ -213,14 +218,10 @@ def test_gluon_ws_backward_d64_m128(rng, monkeypatch, kernel, mask, shape):
     float64: GQA, both causal alignments with Sq < Sk and Sq > Sk, sequences off the 128-row
     tile (a stage's second half past the end, or both), Sq % 4 != 0 (LSE/delta not by TMA), dQ
     by TMA reduce-add or the writer's atomics."""
-    from fmha.kernels import bwd_gluon
-
     from attn_testing import check_backward
 
     stages, changes = M128_KERNELS[kernel]
-    shapes = {p: {d: dict(sh) for d, sh in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
-    shapes["gluon_ws"][64].update(changes)
-    monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
+    _change_bwd_shape(monkeypatch, "gluon_ws", 64, changes)
     q, k, v, kw = _masked_problem(rng, torch.bfloat16, 64, mask, shape)
     with fmha.api.use_dispatcher(_m128_dispatcher(stages)):
         line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
@@ -235,13 +236,9 @@ D256_WS_KERNELS = {"default": {}, "atomics": {"dq_tma": 0}, "convert": {"ps_smem
 
 
 def _check_d256_ws(rng, monkeypatch, kernel, mask, shape, dtype=torch.bfloat16):
-    from fmha.kernels import bwd_gluon
-
     from attn_testing import check_backward
 
-    shapes = {p: {d: dict(sh) for d, sh in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
-    shapes["gluon_ws"][256].update(D256_WS_KERNELS[kernel])
-    monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
+    _change_bwd_shape(monkeypatch, "gluon_ws", 256, D256_WS_KERNELS[kernel])
     q, k, v, kw = _masked_problem(rng, dtype, 256, mask, shape)
     line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
     assert "sm90_gluon_ws_m64n64w8s2" in line, line  # the registry's first D=256 choice
