@@ -116,7 +116,8 @@ def test_persistent_forward_where_it_measured_faster(head_dim, causal):
                                              (16384, (-1, 0))])
 def test_long_unmasked_forward_takes_one_tile_at_d64_d128(head_dim, seqlen_k, window):
     """Without a mask and beyond 4096 keys the one-tile kernel (lazy rescale) measured 1-4% faster
-    than the persistent one at D 64/128 (attempt 37); explain says why persistent was passed over.
+    than the persistent one at D 64/128 (attempt 37): the default selection passes over the
+    persistent config there, and explain and the plan's reason say so.
     Causal problems and D=256 keep the persistent kernel at every length."""
     problem = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, seqlen_q=seqlen_k, seqlen_k=seqlen_k,
                        causal=window == (-1, 0))
@@ -124,7 +125,22 @@ def test_long_unmasked_forward_takes_one_tile_at_d64_d128(head_dim, seqlen_k, wi
     one_tile = head_dim in (64, 128) and window == (-1, -1) and seqlen_k > 4096
     assert config.algorithm.pipeline.is_gluon and config.algorithm.persistent != one_tile, config.name
     line = _explain_line(problem, Family.FWD, f"d{head_dim}-{head_dim}_sm90_gluon_ws")
-    assert ("refused: no mask and seqlen_k" in line) == one_tile, line
+    assert line.endswith(": fits" if not one_tile else "passed over by the default selection: no mask and "
+                         f"seqlen_k {seqlen_k} > 4096: measured slower there than the next config"), line
+    why = Dispatcher(default_registry()).select(problem, Family.FWD)[1]
+    assert ("; 1 passed over before it" in why) == one_tile, why
+
+
+def test_passed_over_config_still_fits_and_serves_alone():
+    """The long-unmasked preference is not a refusal: the persistent config still fits (so a
+    tuning database can time and choose it) and serves when it is the only one."""
+    problem = _problem(head_dim_qk=128, head_dim_v=128, seqlen_q=8192, seqlen_k=8192)
+    persistent = next(c for c in default_registry() if c.family == Family.FWD and c.algorithm.persistent
+                      and c.signature.head_dims == (128,))
+    assert not Dispatcher.supports(persistent, problem) and persistent.signature.passed_over(problem)
+    assert persistent in Dispatcher(default_registry()).candidates(problem, Family.FWD)
+    config, why = Dispatcher(Registry([persistent])).select(problem, Family.FWD)
+    assert config == persistent and "passed over" not in why, why
 
 
 def test_persistent_is_refused_outside_the_gluon_forward():

@@ -81,8 +81,9 @@ class Signature:
     sliding_window: bool = True  # False: of the masks, causal only (either alignment)
     needs_tma: bool = False  # TMA loads: 16-byte aligned strides, no empty batch or sequence
     fp8_block_descale: bool = True  # False: fp8 descales per tensor or per (batch, head) only
-    # > 0: problems without a mask and more keys than this go to the next config (a measured
-    # speed preference, not a limit of the kernel; explain() shows it as a refusal).
+    # > 0: the default selection passes over this config for problems without a mask and more
+    # keys than this (a measured speed preference, not a limit of the kernel: it still fits,
+    # a tuning database may still choose it, and it serves when nothing else fits).
     max_unmasked_seqlen_k: int = 0
 
     def refusals(self, problem: Problem) -> list[str]:
@@ -111,13 +112,18 @@ class Signature:
             if empty:  # (e.g. the backward of seqlen_q == 0 still has keys to zero)
                 reasons.append(f"{' and '.join(empty)} {'is' if len(empty) == 1 else 'are'} 0 "
                                f"(a TMA descriptor needs a non-empty tensor)")
-        if self.max_unmasked_seqlen_k and problem.window == (-1, -1) \
-                and problem.seqlen_k > self.max_unmasked_seqlen_k:
-            reasons.append(f"no mask and seqlen_k {problem.seqlen_k} > {self.max_unmasked_seqlen_k}: "
-                           f"measured slower there than the next config")
         if not self.fp8_block_descale and problem.fp8_block_descale:
             reasons.append("fp8 descales per block: this kernel takes one per tensor or per (batch, head)")
         return reasons
+
+    def passed_over(self, problem: Problem) -> str:
+        """Why the default (first-fit) selection prefers a later fitting config for `problem`
+        ("" if it does not): a speed preference, unlike `refusals`."""
+        if self.max_unmasked_seqlen_k and problem.window == (-1, -1) \
+                and problem.seqlen_k > self.max_unmasked_seqlen_k:
+            return (f"no mask and seqlen_k {problem.seqlen_k} > {self.max_unmasked_seqlen_k}: "
+                    f"measured slower there than the next config")
+        return ""
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,11 @@ class Dispatcher:
                 raise NoKernelError(f"heuristic chose {getattr(chosen, 'name', chosen)!r}, which "
                                     f"is not among the fitting configs {[c.name for c in fits]}")
             return chosen, f"heuristic: {getattr(self.heuristic, '__name__', 'custom')}{note}"
-        return fits[0], f"heuristic: first fit of {len(fits)} in registry {self.registry.name!r}{note}"
+        # The first fit that no measured preference passes over (else simply the first fit).
+        chosen = next((c for c in fits if not c.signature.passed_over(problem)), fits[0])
+        skipped = fits.index(chosen)
+        note = f"; {skipped} passed over before it{note}" if skipped else note
+        return chosen, f"heuristic: first fit of {len(fits)} in registry {self.registry.name!r}{note}"
 
     def plan_forward(self, problem: Problem, *, return_dropout_mask: bool = False) -> Plan:
         families = [Family.FWD] + ([Family.DROPOUT_MASK] if return_dropout_mask else [])
@@ -198,6 +202,9 @@ class Dispatcher:
                 continue
             reasons = self.supports(config, problem)
             verdict = "fits" if not reasons else "refused: " + "; ".join(reasons)
+            passed_over = "" if reasons else config.signature.passed_over(problem)
+            if passed_over:
+                verdict += f", passed over by the default selection: {passed_over}"
             lines.append(f"  {config.name}: {verdict}")
         try:
             config, why = self.select(problem, family)
