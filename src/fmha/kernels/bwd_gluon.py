@@ -676,8 +676,9 @@ def _ws_compute_m128(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M:
 
 
 @gluon.jit
-def _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, base, kv_phase, CAUSAL: gl.constexpr,
-                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+def _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, base, kv_phase,
+                          CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                           STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
     """`_ws_compute_m128`'s work on one key tile (its coordinates from `_key_tile`), K and V of the
     tile in phase kv_phase of kv_bar: iteration j takes ring use and hand-over `base + j`.
@@ -1137,7 +1138,7 @@ def ws_shared_bytes(head_dim, block_m, block_n, stages, dq_bufs, persistent=Fals
             + (PERSISTENT_BARRIER_BYTES if persistent else 0))
 
 
-PERSISTENT_BARRIER_BYTES = 8  # one mbarrier (kv_empty)
+PERSISTENT_BARRIER_BYTES = 32  # kv_empty: one 8-byte mbarrier, as compiled (D 64/128: 199084, 215004 bytes)
 
 
 def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, dq_tma, dq_v2, num_warps,
