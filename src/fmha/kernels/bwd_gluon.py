@@ -797,8 +797,11 @@ def _ws_compute_persistent(args, kv_empty, lse_strides, out_args, CAUSAL: gl.con
         else:
             dk, dv = _ws_compute_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, it, k & 1, CAUSAL,
                                       BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)
-        # (The tile's last iteration ended in a CTA barrier after every warp's last wgmma wait;
-        # a tile without queries issued none.)
+        # Every warp is past its last wgmma wait of the tile (its last iteration ended in a CTA
+        # barrier too) and past its kv_bar wait: without this barrier, after a tile without
+        # queries (no iteration, no barrier) a warp still before its kv_bar wait could find
+        # kv_bar two phases on (the next tile's K/V already in) and wait for ever.
+        gl.thread_barrier()
         mbarrier.arrive(kv_empty, count=1)
         _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
                     stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
