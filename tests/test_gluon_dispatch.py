@@ -133,23 +133,19 @@ def _bwd_gluon_config(head_dim, pipeline=Pipeline.GLUON_WS):
 
 
 def test_persistent_is_refused_outside_the_gluon_forward_and_ws_backward():
-    """persistent: the Gluon forward, and the warp-specialized Gluon dK/dV kernel at head dim
-    64/128 (bwd_gluon's PERSISTENT); not the Triton kernels, the plain Gluon dK/dV kernel or the
-    D=256 warp-specialized one (dQ staged in the ring: no persistent variant)."""
+    """persistent: the Gluon forward, and the warp-specialized Gluon dK/dV kernel (bwd_gluon's
+    PERSISTENT, every head dim); not the Triton kernels or the plain Gluon dK/dV kernel."""
     import dataclasses
 
     from fmha.configs import Algorithm, ConfigError, KernelConfig
 
-    for head_dim in (64, 128):
+    for head_dim in (64, 128, 256):
         config = _bwd_gluon_config(head_dim)
         made = KernelConfig(config.signature, dataclasses.replace(config.algorithm, persistent=True))
         assert "_gluon_ws_" in made.name and made.name.endswith("_persistent"), made.name
         plain = _bwd_gluon_config(head_dim, Pipeline.GLUON)
         with pytest.raises(ConfigError, match="persistent"):
             KernelConfig(plain.signature, dataclasses.replace(plain.algorithm, persistent=True))
-    d256 = _bwd_gluon_config(256)
-    with pytest.raises(ConfigError, match="persistent"):
-        KernelConfig(d256.signature, dataclasses.replace(d256.algorithm, persistent=True))
     triton_bwd = next(c for c in default_registry() if c.family == Family.BWD_DQ_DK_DV
                       and not c.algorithm.pipeline.is_gluon)
     with pytest.raises(ConfigError, match="persistent"):
@@ -167,8 +163,8 @@ def test_persistent_backward_compile_spec():
     one kv_empty mbarrier more shared memory, still within 227 KB for the registry's tiles."""
     from fmha.kernels import bwd_gluon
 
-    for head_dim, block_m, stages in ((64, 128, 2), (128, 64, 3)):
-        spec = functools.partial(bwd_gluon.compile_spec, "bf16", head_dim, block_m, 128, stages,
+    for head_dim, block_m, block_n, stages in ((64, 128, 128, 2), (128, 64, 128, 3), (256, 64, 64, 2)):
+        spec = functools.partial(bwd_gluon.compile_spec, "bf16", head_dim, block_m, block_n, stages,
                                  warp_specialized=True)
         for causal in (False, True):
             assert spec(causal=causal)[1]["PERSISTENT"] is False and spec(causal=causal)[1]["TILE_ORDER"] == 0
@@ -177,11 +173,9 @@ def test_persistent_backward_compile_spec():
             assert constexprs["TILE_ORDER"] == (bwd_gluon.DEFAULT_TILE_ORDER if causal else 0)
             assert signature["PERSISTENT"] == "constexpr" and options == {"num_warps": 8, "maxnreg": 168}
         dq_bufs = bwd_gluon.SHAPES["gluon_ws"][head_dim]["dq_bufs"]
-        assert bwd_gluon.ws_shared_bytes(head_dim, block_m, 128, stages, dq_bufs, True) <= 232448
+        assert bwd_gluon.ws_shared_bytes(head_dim, block_m, block_n, stages, dq_bufs, True) <= 232448
     with pytest.raises(ValueError, match="persistent"):
         bwd_gluon.compile_spec("bf16", 128, 64, 128, 2, causal=False, persistent=True)  # not warp-specialized
-    with pytest.raises(ValueError, match="persistent"):
-        bwd_gluon.compile_spec("bf16", 256, 64, 64, 2, causal=False, warp_specialized=True, persistent=True)
 
 
 def _key_tile_of(order, t, num_bh, num_n, sim):
@@ -238,12 +232,12 @@ def test_persistent_backward_barrier_protocol():
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_gluon_ws_persistent_backward_compiles_for_sm90(tmp_path, monkeypatch, head_dim, dtype):
     """The persistent warp-specialized dK/dV kernel (registry tile made persistent: D=64 m128 s2,
-    D=128 m64 s3), plain and causal: fits the shared memory (one mbarrier more than the one-tile
-    kernel), compute warpgroups at 240 registers, dQ by TMA reduce-add, no atomics; it reads the
-    grid size (the tile loop's stride), which the one-tile kernel never does."""
+    D=128 m64 s3, D=256 m64n64 s2), plain and causal: fits the shared memory (one mbarrier more
+    than the one-tile kernel), compute warpgroups at 240 registers, dQ by TMA reduce-add, no
+    atomics; it reads the grid size (the tile loop's stride), which the one-tile kernel never does."""
     import dataclasses
 
     from fmha.configs import KernelConfig

@@ -478,12 +478,12 @@ def test_gluon_lazy_rescale_scales(rng, monkeypatch, scale, causal):
 
 
 # The persistent warp-specialized dK/dV kernel (bwd_gluon.launch_dkdv(persistent=True), constexpr
-# PERSISTENT): the registry's D 64/128 gluon_ws configs made persistent. programs: the SM count
+# PERSISTENT): the registry's gluon_ws dK/dV configs (D 64/128/256) made persistent. programs: the SM count
 # the launcher sees (None: the real one), so that each program runs many key tiles (the Q/dO
 # ring's, the statistics' and the dQ hand-over's phases carried across tiles, kv_bar/kv_empty
 # flipping per tile, the snake's partial last round). docs/notes/bwd-persistent.md.
 PERSISTENT_BWD_SHAPES = [  # (batch, nhead_q, nhead_k, seqlen_q, seqlen_k)
-    (2, 8, 2, 1000, 1533),  # GQA: the ring crosses query heads; 24/48 key tiles (D 64/128 key tile 128)
+    (2, 8, 2, 1000, 1533),  # GQA: the ring crosses query heads; 48 key tiles of 128 (D=256: 96 of 64)
     (1, 2, 2, 700, 77),  # Sq > Sk: fully masked rows under bottom-right causal; fewer tiles than programs
     (2, 4, 1, 77, 700),  # key tiles without a query under causal (top-left: keys past 77)
     (1, 4, 4, 1024, 1024),
@@ -492,8 +492,8 @@ PERSISTENT_BWD_SHAPES = [  # (batch, nhead_q, nhead_k, seqlen_q, seqlen_k)
 
 
 def _persistent_bwd_dispatcher():
-    """The registry with its D 64/128 warp-specialized dK/dV configs made persistent and the
-    D 64/128 kernels without warp specialization left out."""
+    """The registry with its warp-specialized Gluon dK/dV configs made persistent and the Gluon
+    dK/dV kernels without warp specialization left out."""
     import dataclasses
 
     from fmha import Registry, default_registry
@@ -502,8 +502,7 @@ def _persistent_bwd_dispatcher():
 
     configs = []
     for c in default_registry():
-        if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon and c.signature.head_dims in ((64,),
-                                                                                                       (128,)):
+        if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon:
             if c.algorithm.pipeline != Pipeline.GLUON_WS:
                 continue
             c = type(c)(c.signature, dataclasses.replace(c.algorithm, persistent=True), notes=c.notes)
@@ -520,7 +519,7 @@ def _persistent_bwd_launches(monkeypatch, programs=None, tile_order=None):
     seen = []
     real_launch, real_cache_launch = bwd_gluon.launch_dkdv, launch_cache.launch
     if tile_order is not None:
-        for head_dim in (64, 128):
+        for head_dim in (64, 128, 256):
             _change_bwd_shape(monkeypatch, "gluon_ws", head_dim, {"tile_order": tile_order})
     order = bwd_gluon.DEFAULT_TILE_ORDER if tile_order is None else tile_order
 
@@ -560,7 +559,7 @@ def _check_persistent_backward(rng, monkeypatch, programs, head_dim, mask, shape
     q, k, v, kw = _masked_problem(rng, dtype, head_dim, mask, shape)
     with fmha.api.use_dispatcher(_persistent_bwd_dispatcher()):
         line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
-        tile = "m128n128w8s2" if head_dim == 64 else "m64n128w8s3"  # the registry's tiles
+        tile = {64: "m128n128w8s2", 128: "m64n128w8s3", 256: "m64n64w8s2"}[head_dim]  # the registry's tiles
         assert f"sm90_gluon_ws_{tile}_persistent" in line, line
         check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
     assert seen, "no persistent dK/dV launch"
@@ -570,23 +569,23 @@ def _check_persistent_backward(rng, monkeypatch, programs, head_dim, mask, shape
 
 
 @pytest.mark.parametrize("programs", [5, 7], ids=lambda p: f"{p}_programs")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
 @pytest.mark.parametrize("shape", PERSISTENT_BWD_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_gluon_ws_backward_persistent(rng, monkeypatch, programs, head_dim, mask, shape):
     _check_persistent_backward(rng, monkeypatch, programs, head_dim, mask, shape)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
 def test_gluon_ws_backward_persistent_all_sms(rng, monkeypatch, head_dim, mask):
     """The short-sequence shape the persistent kernel is for, on every SM (2048 key tiles at
-    block_n 128: ~16 a program)."""
+    block_n 128: ~16 a program; D=256: 4096 of 64 keys)."""
     _check_persistent_backward(rng, monkeypatch, None, head_dim, mask, (16, 16, 16, 1024, 1024))
 
 
 @pytest.mark.parametrize("tile_order", [0, 1, 2])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("mask", ["causal", "causal_top_left"])
 @pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1533), (2, 4, 1, 77, 700), (1, 3, 1, 1300, 1300)],
                          ids=lambda s: "x".join(map(str, s)))
@@ -596,7 +595,7 @@ def test_gluon_ws_backward_persistent_tile_orders(rng, monkeypatch, tile_order, 
     _check_persistent_backward(rng, monkeypatch, 5, head_dim, mask, shape, tile_order=tile_order)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal"])
 @pytest.mark.parametrize("kernel", ["fp16", "atomics"])
 def test_gluon_ws_backward_persistent_fp16_and_atomics(rng, monkeypatch, head_dim, mask, kernel):

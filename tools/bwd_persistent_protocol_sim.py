@@ -4,10 +4,11 @@ A model of the kernel's waits and arrives, kept by hand in step with `_ws_loader
 `_ws_compute_persistent` (+ `_ws_compute_tile`) and `_ws_dq_writer_persistent`: the loader, the
 compute warps (2-4 of them: CTA barriers among them, arrives by one) and the dQ writer as
 coroutines, mbarriers with parity waits, TMA loads landing at random later times, any
-interleaving. Covers rings of 2-3 stages, 1-2 dQ hand-over buffers, key tiles of 0-7 query
-iterations (0: a key tile without queries under causal). Checks: no deadlock, and every read
-sees the buffer version it expects (K/V of its tile, Q/dO of its iteration, dQ of its
-iteration: nothing overwritten while in use).
+interleaving. Covers rings of 2-3 stages, 1-2 dQ hand-over buffers or (alias, D=256:
+`_ws_compute_d256_tile`, `_ws_dq_writer_alias_tile`) dQ staged in the consumed Q/dO stage,
+which the writer releases; key tiles of 0-7 query iterations (0: a key tile without queries
+under causal). Checks: no deadlock, and every read sees the buffer version it expects (K/V of
+its tile, Q/dO of its iteration, dQ of its iteration: nothing overwritten while in use).
 
     python tools/bwd_persistent_protocol_sim.py [--no-kv-barrier]   (3000 random cases)
 
@@ -33,11 +34,13 @@ class Bar:
         return (self.done & 1) != parity
 
 
-def run(tiles, warps, stages, dq_bufs, kv_barrier, seed):
+def run(tiles, warps, stages, dq_bufs, alias, kv_barrier, seed):
     rng = random.Random(seed)
     kv_bar, kv_empty = Bar(1), Bar(1)
     ready, empty = [Bar(1) for _ in range(stages)], [Bar(1) for _ in range(stages)]
     dq_full, dq_empty = [Bar(1) for _ in range(dq_bufs)], [Bar(1) for _ in range(dq_bufs)]
+    if alias:  # one dq_full per stage
+        dq_full = [Bar(1) for _ in range(stages)]
     cta = Bar(warps)  # gl.thread_barrier of the compute partition
     kv, ring, dq = [None], [None] * stages, [None] * dq_bufs
     events = []  # TMA loads in flight: (barrier, buffer, index, what lands)
@@ -89,6 +92,16 @@ def run(tiles, warps, stages, dq_bufs, kv_barrier, seed):
                 yield ("step",)  # dQ = dS K issued; dV, dK, dQ waited
                 check(kv, 0, ("KV", k), "K (dQ product)")
                 check(ring, s, ("QdO", k, j), "Q/dO (dK/dV products)")
+                if alias:
+                    yield from sync()  # every warp's dK/dV products (the Q and dO readers) are done
+                if alias:  # dQ's halves over the stage's Q and dO (no warp reads them any more)
+                    if w == 0:
+                        ring[s] = ("dQ", k, j)
+                    yield ("step",)
+                    yield from sync()
+                    if w == 0:
+                        dq_full[s].arrive()  # the writer releases the stage
+                    continue
                 yield ("wait", dq_empty[b], ((g // dq_bufs) & 1) ^ 1)
                 if w == 0:
                     dq[b] = ("dQ", k, j)
@@ -109,6 +122,14 @@ def run(tiles, warps, stages, dq_bufs, kv_barrier, seed):
         for k, n in enumerate(tiles):
             for j in range(n):
                 g = it + j
+                if alias:
+                    s = g % stages
+                    yield ("wait", dq_full[s], (g // stages) & 1)
+                    check(ring, s, ("dQ", k, j), "dQ in the stage")
+                    yield ("step",)  # two TMA reduce-adds, store_wait
+                    check(ring, s, ("dQ", k, j), "dQ in the stage")
+                    empty[s].arrive()
+                    continue
                 b = g % dq_bufs
                 yield ("wait", dq_full[b], (g // dq_bufs) & 1)
                 check(dq, b, ("dQ", k, j), "dQ")
@@ -147,6 +168,7 @@ def main():
     trials = 3000
     for trial in range(trials):
         case = dict(warps=rng.choice([2, 3, 4]), stages=rng.choice([2, 3]), dq_bufs=rng.choice([1, 2]),
+                    alias=rng.random() < 0.33,
                     tiles=[rng.choice([0, 0, 1, 2, 3, 5, 7]) for _ in range(rng.randint(1, 8))])
         result = run(seed=trial, kv_barrier=kv_barrier, **case)
         if result:

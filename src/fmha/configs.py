@@ -123,7 +123,7 @@ class Signature:
 @dataclass(frozen=True)
 class Algorithm:
     """How a config runs: tile sizes, warps, software-pipelining depth, pipeline variant.
-    persistent (the Gluon forward; the warp-specialized Gluon dK/dV at head dim 64/128): one
+    persistent (the Gluon forward; the warp-specialized Gluon dK/dV): one
     program per SM walks the CTA (key) tiles instead of one program per tile, so a tile's
     epilogue overlaps the next tile's loads."""
 
@@ -236,10 +236,9 @@ def _gluon_rule_violations(s: Signature, a: Algorithm) -> list[str]:
     rules = []
     if a.persistent and not (
             (s.family == Family.FWD and a.pipeline not in (Pipeline.TRITON, Pipeline.GLUON))
-            or (s.family == Family.BWD_DQ_DK_DV and a.pipeline == Pipeline.GLUON_WS and s.head_dim_max <= 128)):
-        rules.append(f"persistent: only the Gluon forward and the warp-specialized Gluon dK/dV kernel at head dim "
-                     f"64/128 have a persistent kernel, got family {s.family.value} pipeline {a.pipeline.value} "
-                     f"head dim {s.head_dim_max}")
+            or (s.family == Family.BWD_DQ_DK_DV and a.pipeline == Pipeline.GLUON_WS)):
+        rules.append(f"persistent: only the Gluon forward and the warp-specialized Gluon dK/dV kernel have a "
+                     f"persistent kernel, got family {s.family.value} pipeline {a.pipeline.value}")
     if not a.pipeline.is_gluon:
         return rules
     if s.archs != ("sm90",):

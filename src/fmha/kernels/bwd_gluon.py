@@ -490,9 +490,11 @@ def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl
 
 @gluon.jit
 def _ws_dq_writer_persistent(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                             HEAD_DIM: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_TMA: gl.constexpr,
+                             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,
+                             DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_ALIAS: gl.constexpr,
                              TILE_ORDER: gl.constexpr):
-    """`_ws_dq_writer` of the persistent kernel: the hand-over buffers count on across key tiles."""
+    """`_ws_dq_writer` (DQ_ALIAS: `_ws_dq_writer_alias`) of the persistent kernel: the hand-over
+    buffers (the ring's stages) count on across key tiles."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
@@ -501,7 +503,10 @@ def _ws_dq_writer_persistent(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, 
     for k in range(fwd_gluon._my_tile_count(gl.cdiv(seqlen_k, BLOCK_N) * num_bh, CAUSAL, TILE_ORDER)):
         b, hk, hq0, n0, m_start, n_m = _my_key_tile(k, num_bh, seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL,
                                                     BLOCK_M, BLOCK_N, TILE_ORDER)
-        _ws_dq_writer_tile(args, b, hq0, m_start, n_m, it, BLOCK_M, HEAD_DIM, DQ_BUFS, DQ_TMA)
+        if DQ_ALIAS:
+            _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, it, BLOCK_M, STAGES, DQ_COLS, DQ_TMA)
+        else:
+            _ws_dq_writer_tile(args, b, hq0, m_start, n_m, it, BLOCK_M, HEAD_DIM, DQ_BUFS, DQ_TMA)
         it += group * n_m
 
 
@@ -770,10 +775,11 @@ def _ws_compute_partition(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLO
 
 
 @gluon.jit
-def _ws_compute_persistent(args, kv_empty, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                           STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr,
-                           DQ_TMA: gl.constexpr, TILE_ORDER: gl.constexpr):
+def _ws_compute_persistent(args, kv_empty, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
+                           DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_ALIAS: gl.constexpr,
+                           DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr, TILE_ORDER: gl.constexpr):
     """`_ws_compute_partition` of the persistent kernel: this program's key tiles in turn (see
     `_my_key_tile`), dK and dV zeroed per tile; the ring and the dQ hand-over count on across
     tiles (`it`), K and V of tile k arrive in phase k & 1 of kv_bar. After the tile's last
@@ -790,7 +796,11 @@ def _ws_compute_persistent(args, kv_empty, lse_strides, out_args, CAUSAL: gl.con
     for k in range(fwd_gluon._my_tile_count(gl.cdiv(seqlen_k, BLOCK_N) * num_bh, CAUSAL, TILE_ORDER)):
         b, hk, hq0, n0, m_start, n_m = _my_key_tile(k, num_bh, seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL,
                                                     BLOCK_M, BLOCK_N, TILE_ORDER)
-        if BLOCK_M == 128:
+        if DQ_ALIAS:  # D=256 (`_ws_compute_d256`)
+            dk, dv = _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m_start, n_m, it,
+                                           k & 1, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_COLS,
+                                           DQ_TMA, DQ_EARLY, PS_SMEM)
+        elif BLOCK_M == 128:
             dk, dv = _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, it, k & 1,
                                            CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS,
                                            DQ_TMA)
@@ -836,6 +846,28 @@ def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, 
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())  # dK, dV
+    dk, dv = _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL,
+                                   BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY,
+                                   PS_SMEM)
+    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+
+
+@gluon.jit
+def _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m_start, n_m, base, kv_phase,
+                          CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
+                          DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_EARLY: gl.constexpr,
+                          PS_SMEM: gl.constexpr):
+    """`_ws_compute_d256`'s work on one key tile (its coordinates from `_key_tile`), K and V of the
+    tile in phase kv_phase of kv_bar: iteration j takes ring use `base + j`. Returns the
+    unscaled dK and dV; when it returns, every product reading K and V is done."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     gl.static_assert(2 * DQ_COLS == HEAD_DIM, "dQ halves staged in the Q and dO buffers")
     dtype: gl.constexpr = q_desc.dtype
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -847,18 +879,18 @@ def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, 
     row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
     dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
 
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
     keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-    mbarrier.wait(kv_bar, 0)
-    for it in range(group * n_m):
+    mbarrier.wait(kv_bar, kv_phase)
+    for j in range(group * n_m):
+        it = base + j
         stage = it % STAGES
         phase = (it // STAGES) & 1
-        h = hq0 + it // n_m
-        m0 = (m_start + it % n_m) * BLOCK_M
+        h = hq0 + j // n_m
+        m0 = (m_start + j % n_m) * BLOCK_M
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
         mbarrier.wait(ready.index(stage), phase)
@@ -910,8 +942,7 @@ def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, 
         fence_async_shared()
         gl.thread_barrier()  # dQ stored by every warp; every product reading dS^T is done
         mbarrier.arrive(dq_full.index(stage), count=1)
-    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
-                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+    return dk, dv
 
 
 @gluon.jit
@@ -923,18 +954,29 @@ def _ws_dq_writer_alias(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, 0, BLOCK_M, STAGES, DQ_COLS, DQ_TMA)
+
+
+@gluon.jit
+def _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, base, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                             DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
+    """The alias writer's work for one key tile: its iterations j take ring use `base + j`."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
     ROWS: gl.constexpr = 8
     COLS: gl.constexpr = 32
     gl.static_assert(gl.num_warps() == 2, "a block of 8 x 32 fp32 is one quad per thread of 2 warps")
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [2, 1], [1, 0])
     dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
     block_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     offsets = block_rows[:, None] * stride_dqm + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))[None, :]
-    for it in range(group * n_m):
+    for j in range(group * n_m):
+        it = base + j
         stage = it % STAGES
-        h = hq0 + it // n_m
-        m0 = (m_start + it % n_m) * BLOCK_M
+        h = hq0 + j // n_m
+        m0 = (m_start + j % n_m) * BLOCK_M
         mbarrier.wait(dq_full.index(stage), (it // STAGES) & 1)
         dq_half0 = q_smem.index(stage)._reinterpret(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout)
         dq_half1 = do_smem.index(stage)._reinterpret(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout)
@@ -977,7 +1019,7 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     BLOCK_M x DQ_COLS), one dq_full barrier per stage, and the writer releases the stage.
     DQ_EARLY, PS_SMEM (with DQ_ALIAS; PS_SMEM: a BLOCK_N x BLOCK_M buffer for P^T): see
     `_ws_compute_d256`.
-    PERSISTENT (not with DQ_ALIAS): a grid of at most one program per SM, each running key tiles
+    PERSISTENT: a grid of at most one program per SM, each running key tiles
     in turn (`_my_key_tile`, causal order TILE_ORDER), every partition walking the same
     sequence; the ring's and the hand-over's barriers count on across tiles, K and V (single
     buffers) are refilled once the compute warps arrive on kv_empty (docs/notes/bwd-persistent.md)."""
@@ -1031,15 +1073,18 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     lse_strides = (stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem)
     out_args = (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 qk_scale, scale)
-    if PERSISTENT:  # 64- or 128-query stages, key tiles in turn
-        gl.static_assert(not DQ_ALIAS, "persistent: D 64/128 (hand-over buffers) only")
+    if PERSISTENT:  # key tiles in turn (any of the three bodies below)
         kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_empty, count=1)
+        if not DQ_ALIAS:
+            p_smem = ds_smem  # (not used)
         gl.warp_specialize([
-            (_ws_compute_persistent, (args, kv_empty, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                      STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA, TILE_ORDER)),
+            (_ws_compute_persistent, (args, kv_empty, lse_strides, out_args, p_smem, CAUSAL, BLOCK_M, BLOCK_N,
+                                      HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA, DQ_ALIAS, DQ_EARLY,
+                                      PS_SMEM, TILE_ORDER)),
             (_ws_loader_persistent, (args, kv_empty, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA, TILE_ORDER)),
-            (_ws_dq_writer_persistent, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA, TILE_ORDER)),
+            (_ws_dq_writer_persistent, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFS, DQ_COLS, DQ_TMA,
+                                        DQ_ALIAS, TILE_ORDER)),
         ], [1, 2], [WORKER_REGS, WORKER_REGS])
     elif DQ_ALIAS:  # D=256: 64 keys x 64 queries, dQ staged in the consumed Q/dO stage
         gl.warp_specialize([
@@ -1086,7 +1131,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
                 warp_specialized: bool = False, persistent: bool = False) -> None:
     """(B, H, S, D) views; lse/delta (B, Hq, Sq) fp32; dq_acc fp32 (B, Hq, Sq, D) view, zeroed
     (16-byte aligned rows for the warp-specialized kernel: fmha allocates it so).
-    persistent (warp_specialized, D 64/128): one program per SM walks the key tiles
+    persistent (warp_specialized): one program per SM walks the key tiles
     (bwd_dkdv_ws_kernel's PERSISTENT; causal tile order from SHAPES' tile_order)."""
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
@@ -1155,9 +1200,8 @@ def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, d
     dq_tma = bool(shape["dq_tma"]) and dq_tma
     common = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
                   STATS_TMA=stats_tma)
-    if persistent and (not warp_specialized or shape.get("dq_alias")):
-        raise ValueError(f"persistent dK/dV: only the warp-specialized kernel at head dim 64/128, got "
-                         f"warp_specialized={warp_specialized} head dim {head_dim}")
+    if persistent and not warp_specialized:
+        raise ValueError("persistent dK/dV: only the warp-specialized kernel (bwd_dkdv_ws_kernel)")
     if warp_specialized:  # the writer reduces the whole handed-over tile
         smem = ws_shared_bytes(head_dim, block_m, block_n, num_stages, shape["dq_bufs"], persistent)
         if smem > 232448:  # sm_90's 227 KB a block (e.g. block_m 128 with 3 stages and 2 dQ buffers)
