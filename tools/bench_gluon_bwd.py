@@ -15,7 +15,7 @@ D 64/128, bf16, causal and not, plus GQA 4x32/8 at 8192. Contenders alternate pe
     a third field names the pipeline (d128:m64n128w8s2:gluon, the kernel without warp specialization),
     a fourth changes that pipeline's kernel shape (`bwd_gluon.SHAPES`), e.g.
     d128:m64n128w8s2:gluon_ws:dq_bufs=1+dq_cols=64, d128:m64n128w8s2:gluon:dq_tma=0;
-    persistent=1 there makes the config persistent (gluon_ws, D 64/128: one program per SM
+    persistent=1 there makes the config persistent (gluon_ws: one program per SM
     walking the key tiles) and tile_order=N sets its causal key-tile order (bwd_gluon._my_key_tile:
     0 LPT, 1 heads, 2 pairs, the default), e.g. d128:m64n128w8s3:gluon_ws:persistent=1+tile_order=0.
     Short sequences, where the persistent kernel is meant to help: --shapes 16:16:16:1024:128:f,...

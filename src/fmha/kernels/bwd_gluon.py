@@ -1186,7 +1186,7 @@ def ws_shared_bytes(head_dim, block_m, block_n, stages, dq_bufs, persistent=Fals
             + (PERSISTENT_BARRIER_BYTES if persistent else 0))
 
 
-PERSISTENT_BARRIER_BYTES = 32  # kv_empty: one 8-byte mbarrier, as compiled (D 64/128: 199084, 215004 bytes)
+PERSISTENT_BARRIER_BYTES = 32  # kv_empty: one 8-byte mbarrier, as compiled (D 64/128/256: +32 bytes)
 
 
 def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, dq_tma, dq_v2, num_warps,
