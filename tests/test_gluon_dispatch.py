@@ -143,15 +143,141 @@ def test_passed_over_config_still_fits_and_serves_alone():
     assert config == persistent and "passed over" not in why, why
 
 
-def test_persistent_is_refused_outside_the_gluon_forward():
-    from fmha.configs import Algorithm, ConfigError, KernelConfig, Pipeline
+def _bwd_gluon_config(head_dim, pipeline=Pipeline.GLUON_WS):
+    return next(c for c in default_registry() if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline == pipeline
+                and c.signature.head_dims == (head_dim,))
 
-    config = next(c for c in default_registry() if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon)
+
+def test_persistent_is_refused_outside_the_gluon_forward_and_ws_backward():
+    """persistent: the Gluon forward, and the warp-specialized Gluon dK/dV kernel (bwd_gluon's
+    PERSISTENT, every head dim); not the Triton kernels or the plain Gluon dK/dV kernel."""
+    import dataclasses
+
+    from fmha.configs import Algorithm, ConfigError, KernelConfig
+
+    for head_dim in (64, 128, 256):
+        config = _bwd_gluon_config(head_dim)
+        made = KernelConfig(config.signature, dataclasses.replace(config.algorithm, persistent=True))
+        assert "_gluon_ws_" in made.name and made.name.endswith("_persistent"), made.name
+        plain = _bwd_gluon_config(head_dim, Pipeline.GLUON)
+        with pytest.raises(ConfigError, match="persistent"):
+            KernelConfig(plain.signature, dataclasses.replace(plain.algorithm, persistent=True))
+    triton_bwd = next(c for c in default_registry() if c.family == Family.BWD_DQ_DK_DV
+                      and not c.algorithm.pipeline.is_gluon)
     with pytest.raises(ConfigError, match="persistent"):
-        KernelConfig(config.signature, Algorithm(64, 128, 8, 3, Pipeline.GLUON_WS, persistent=True))
+        KernelConfig(triton_bwd.signature, dataclasses.replace(triton_bwd.algorithm, persistent=True))
     triton = next(c for c in default_registry() if c.family == Family.FWD and not c.algorithm.pipeline.is_gluon)
     with pytest.raises(ConfigError, match="persistent"):
         KernelConfig(triton.signature, Algorithm(128, 64, 4, 3, persistent=True))
+    # The registry: persistent first at D=64 only, where it measured faster (attempt 43), with
+    # its one-tile twin second; one program per key tile at D 128/256.
+    gluon_bwd = [c for c in default_registry() if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon]
+    assert [c.algorithm.persistent for c in gluon_bwd if c.signature.head_dims == (64,)] == [True, False, False]
+    assert not any(c.algorithm.persistent for c in gluon_bwd if c.signature.head_dims != (64,))
+
+
+def test_persistent_backward_compile_spec():
+    """bwd_gluon.compile_spec(persistent=True) gives the kernel launch_dkdv(persistent=True)
+    runs: PERSISTENT, the causal tile order from SHAPES (D=64 heads, 1; else the default, pairs),
+    0 without a mask;
+    one kv_empty mbarrier more shared memory, still within 227 KB for the registry's tiles."""
+    from fmha.kernels import bwd_gluon
+
+    for head_dim, block_m, block_n, stages in ((64, 128, 128, 2), (128, 64, 128, 3), (256, 64, 64, 2)):
+        spec = functools.partial(bwd_gluon.compile_spec, "bf16", head_dim, block_m, block_n, stages,
+                                 warp_specialized=True)
+        for causal in (False, True):
+            assert spec(causal=causal)[1]["PERSISTENT"] is False and spec(causal=causal)[1]["TILE_ORDER"] == 0
+            signature, constexprs, options = spec(causal=causal, persistent=True)
+            assert constexprs["PERSISTENT"] is True
+            order = bwd_gluon.SHAPES["gluon_ws"][head_dim].get("tile_order", bwd_gluon.DEFAULT_TILE_ORDER)
+            assert constexprs["TILE_ORDER"] == (order if causal else 0)
+            assert signature["PERSISTENT"] == "constexpr" and options == {"num_warps": 8, "maxnreg": 168}
+        dq_bufs = bwd_gluon.SHAPES["gluon_ws"][head_dim]["dq_bufs"]
+        assert bwd_gluon.ws_shared_bytes(head_dim, block_m, block_n, stages, dq_bufs, True) <= 232448
+    with pytest.raises(ValueError, match="persistent"):
+        bwd_gluon.compile_spec("bf16", 128, 64, 128, 2, causal=False, persistent=True)  # not warp-specialized
+
+
+def _key_tile_of(order, t, num_bh, num_n, sim):
+    """(bh, key tile index) of position t: bwd_gluon._my_key_tile transcribed (order 1: also no mask)."""
+    if order == 0:
+        return t % num_bh, t // num_bh
+    if order == 1:
+        return t // num_n, t % num_n
+    bh, longest_last = sim.pair_tile(t, num_bh, num_n)
+    return bh, num_n - 1 - longest_last
+
+
+def test_persistent_backward_key_tile_schedule():
+    """The persistent dK/dV kernel's programs (fwd_gluon's snake count/positions, transcribed in
+    tools/persistent_schedule_sim.py and checked there) together run every key tile exactly once
+    in each order; the pairs order puts a head's key tiles i and n-1-i (causal work ~ n-i and
+    i+1) in one unit, the longer first."""
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "tools" / "persistent_schedule_sim.py"
+    spec = importlib.util.spec_from_file_location("_schedule_sim", path)
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    for num_bh in range(1, 8):
+        for num_n in range(1, 9):
+            tiles = num_bh * num_n
+            for order in (0, 1, 2):
+                for nprog in (1, 2, 5, 7, 132):
+                    seen = []
+                    for pid in range(nprog):
+                        for k in range(sim.kernel_count(tiles, nprog, pid, order == 2)):
+                            t = sim.kernel_position(k, nprog, pid, order == 2)
+                            seen.append(_key_tile_of(order, t, num_bh, num_n, sim))
+                    assert sorted(seen) == [(b, n) for b in range(num_bh) for n in range(num_n)], (
+                        num_bh, num_n, order, nprog)
+            for u in range(tiles // 2):
+                (b0, n0), (b1, n1) = (_key_tile_of(2, 2 * u + i, num_bh, num_n, sim) for i in (0, 1))
+                if b0 == b1 and n0 != n1:
+                    assert n0 < n1 and n0 + n1 == num_n - 1, (num_bh, num_n, u)
+
+
+def test_persistent_backward_barrier_protocol():
+    """tools/bwd_persistent_protocol_sim.py: the persistent dK/dV kernel's waits and arrives
+    (transcribed) under random interleavings: no deadlock, no buffer overwritten while read; and
+    without the compute warps' barrier before kv_empty, key tiles without queries do hang."""
+    import subprocess
+    import sys
+
+    sim = Path(__file__).parent.parent / "tools" / "bwd_persistent_protocol_sim.py"
+    out = subprocess.run([sys.executable, sim], capture_output=True, text=True).stdout
+    assert "failures 0" in out, out
+    out = subprocess.run([sys.executable, sim, "--no-kv-barrier"], capture_output=True, text=True).stdout
+    assert "DEADLOCK" in out and "failures 0" not in out, out
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gluon_ws_persistent_backward_compiles_for_sm90(tmp_path, monkeypatch, head_dim, dtype):
+    """The persistent warp-specialized dK/dV kernel (registry tile made persistent: D=64 m128 s2,
+    D=128 m64 s3, D=256 m64n64 s2), plain and causal: fits the shared memory (one mbarrier more
+    than the one-tile kernel), compute warpgroups at 240 registers, dQ by TMA reduce-add, no
+    atomics; it reads the grid size (the tile loop's stride), which the one-tile kernel never does."""
+    import dataclasses
+
+    from fmha.configs import KernelConfig
+    from fmha.kernels import bwd_gluon
+
+    config = _bwd_gluon_config(head_dim)
+    config = KernelConfig(config.signature, dataclasses.replace(config.algorithm, persistent=True))
+    kernels = _built_for_sm90(config, tmp_path, monkeypatch, dtype=dtype)
+    assert [k.variant for k in kernels] == ["plain", "causal"]
+    a = config.algorithm
+    smem = bwd_gluon.ws_shared_bytes(head_dim, a.block_m, a.block_n, a.num_stages,
+                                     bwd_gluon.SHAPES["gluon_ws"][head_dim]["dq_bufs"], True)
+    for kernel in kernels:
+        ptx = _ptx(kernel)
+        assert kernel.shared <= smem, (kernel.shared, smem)  # (the estimate is exact at m64, 48 bytes over at m128)
+        assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240\b", ptx)
+        assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
+        assert "red.global" not in ptx and "atom.global" not in ptx
+        assert "%nctaid.x" in ptx
 
 
 def test_tma_alignment_detection():
@@ -359,7 +485,8 @@ def test_gluon_configs_outside_the_kernels_shapes_are_refused(family, change, me
 
     from fmha.configs import ConfigError, KernelConfig
 
-    config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon and c.family == family)
+    config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon and c.family == family
+                  and not c.algorithm.persistent)
     with pytest.raises(ConfigError, match=message):
         KernelConfig(config.signature, dataclasses.replace(config.algorithm, **change))
 

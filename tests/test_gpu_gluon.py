@@ -129,15 +129,16 @@ def test_gluon_backward_bshd_realistic_and_strided_dout(rng):
 
 
 def _backward_dispatcher(pipeline):
-    """The registry without the Gluon dK/dV configs of the other pipeline: the kernel with or
-    without warp specialization, whichever the registry puts first."""
+    """The registry without the Gluon dK/dV configs of the other pipeline and without the
+    persistent ones (D=64's first choice; tested by `_check_persistent_backward`): the one-tile
+    kernel with or without warp specialization, whichever the registry puts first."""
     from fmha import Registry, default_registry
     from fmha.configs import Family
     from fmha.dispatcher import Dispatcher
 
     configs = [c for c in default_registry()
                if not (c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon
-                       and c.algorithm.pipeline.value != pipeline)]
+                       and (c.algorithm.pipeline.value != pipeline or c.algorithm.persistent))]
     return Dispatcher(Registry(configs, name=f"gluon-bwd-{pipeline}"))
 
 
@@ -475,3 +476,136 @@ def test_gluon_lazy_rescale_scales(rng, monkeypatch, scale, causal):
     q, k, v = make_qkv(rng, dtype=torch.bfloat16, layout="bhsd", device=CUDA, batch=1, nhead_q=4,
                        nhead_k=4, seqlen_q=700, seqlen_k=900, head_dim=128)
     check_attention(q, k, v, causal=causal, scale=scale, truth="torch64")
+
+
+# The persistent warp-specialized dK/dV kernel (bwd_gluon.launch_dkdv(persistent=True), constexpr
+# PERSISTENT): the registry's gluon_ws dK/dV configs (D 64/128/256) made persistent. programs: the SM count
+# the launcher sees (None: the real one), so that each program runs many key tiles (the Q/dO
+# ring's, the statistics' and the dQ hand-over's phases carried across tiles, kv_bar/kv_empty
+# flipping per tile, the snake's partial last round). docs/notes/bwd-persistent.md.
+PERSISTENT_BWD_SHAPES = [  # (batch, nhead_q, nhead_k, seqlen_q, seqlen_k)
+    (2, 8, 2, 1000, 1533),  # GQA: the ring crosses query heads; 48 key tiles of 128 (D=256: 96 of 64)
+    (1, 2, 2, 700, 77),  # Sq > Sk: fully masked rows under bottom-right causal; fewer tiles than programs
+    (2, 4, 1, 77, 700),  # key tiles without a query under causal (top-left: keys past 77)
+    (1, 4, 4, 1024, 1024),
+    (1, 2, 2, 1001, 1001),  # Sq % 4 != 0: LSE/delta by ld.global, not TMA; rows off every tile
+]
+
+
+def _persistent_bwd_dispatcher():
+    """The registry with its warp-specialized Gluon dK/dV configs made persistent (D=64's is
+    already: its one-tile twin is left out) and the Gluon dK/dV kernels without warp
+    specialization left out."""
+    import dataclasses
+
+    from fmha import Registry, default_registry
+    from fmha.configs import Family, Pipeline
+    from fmha.dispatcher import Dispatcher
+
+    configs = []
+    for c in default_registry():
+        if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon:
+            if c.algorithm.pipeline != Pipeline.GLUON_WS:
+                continue
+            c = type(c)(c.signature, dataclasses.replace(c.algorithm, persistent=True), notes=c.notes)
+            if any(o.name == c.name for o in configs):  # D=64: the registry's own persistent config
+                continue
+        configs.append(c)
+    return Dispatcher(Registry(configs, name="gluon-bwd-persistent"))
+
+
+def _persistent_bwd_launches(monkeypatch, programs=None, tile_order=None):
+    """Spy on bwd_gluon.launch_dkdv (at most `programs` SMs; causal key-tile order `tile_order`
+    through SHAPES, None: bwd_gluon.DEFAULT_TILE_ORDER); returns the list the persistent
+    launches' (grid, number of key tiles) are appended to."""
+    from fmha.kernels import bwd_gluon, launch_cache, loader
+
+    seen = []
+    real_launch, real_cache_launch = bwd_gluon.launch_dkdv, launch_cache.launch
+    if tile_order is not None:
+        for head_dim in (64, 128, 256):
+            _change_bwd_shape(monkeypatch, "gluon_ws", head_dim, {"tile_order": tile_order})
+    order = bwd_gluon.DEFAULT_TILE_ORDER if tile_order is None else tile_order
+
+    def launch_dkdv(q, k, *args, **kwargs):
+        assert kwargs["persistent"] is True and kwargs["warp_specialized"] is True, kwargs
+        tiles = -(-k.shape[2] // kwargs["block_n"]) * k.shape[0] * k.shape[1]
+
+        def record(kernel, grid, *a, **kw):
+            assert kernel is bwd_gluon.bwd_dkdv_ws_kernel and kw["PERSISTENT"] is True
+            assert kw["TILE_ORDER"] == (order if kwargs["causal"] else 0), (kw["TILE_ORDER"], order)
+            seen.append((grid[0], tiles))
+            return real_cache_launch(kernel, grid, *a, **kw)
+
+        monkeypatch.setattr(launch_cache, "launch", record)
+        try:
+            return real_launch(q, k, *args, **kwargs)
+        finally:
+            monkeypatch.setattr(launch_cache, "launch", real_cache_launch)
+
+    monkeypatch.setattr(bwd_gluon, "launch_dkdv", launch_dkdv)
+    if programs is not None:
+        monkeypatch.setattr(bwd_gluon, "_sm_count", lambda device: programs)
+    # the compiled module's guarded launchers wrap the functions they found: a fresh one
+    monkeypatch.setitem(loader._guarded, "bwd_gluon", loader._GuardedModule(bwd_gluon))
+    return seen
+
+
+def _check_persistent_backward(rng, monkeypatch, programs, head_dim, mask, shape, dtype=torch.bfloat16,
+                               tile_order=None, **changes):
+    """check_backward (float64 truth) through the persistent dK/dV kernel; explain names the
+    persistent config and every dK/dV launch ran min(key tiles, SMs) programs."""
+    from attn_testing import check_backward
+
+    seen = _persistent_bwd_launches(monkeypatch, programs, tile_order)
+    if changes:
+        _change_bwd_shape(monkeypatch, "gluon_ws", head_dim, changes)
+    q, k, v, kw = _masked_problem(rng, dtype, head_dim, mask, shape)
+    with fmha.api.use_dispatcher(_persistent_bwd_dispatcher()):
+        line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
+        tile = {64: "m128n128w8s2", 128: "m64n128w8s3", 256: "m64n64w8s2"}[head_dim]  # the registry's tiles
+        assert f"sm90_gluon_ws_{tile}_persistent" in line, line
+        check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
+    assert seen, "no persistent dK/dV launch"
+    sms = programs or torch.cuda.get_device_properties(0).multi_processor_count
+    for grid, tiles in seen:
+        assert grid == min(tiles, sms), (grid, tiles, sms)
+
+
+@pytest.mark.parametrize("programs", [5, 7], ids=lambda p: f"{p}_programs")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
+@pytest.mark.parametrize("shape", PERSISTENT_BWD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gluon_ws_backward_persistent(rng, monkeypatch, programs, head_dim, mask, shape):
+    _check_persistent_backward(rng, monkeypatch, programs, head_dim, mask, shape)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left"])
+def test_gluon_ws_backward_persistent_all_sms(rng, monkeypatch, head_dim, mask):
+    """The short-sequence shape the persistent kernel is for, on every SM (2048 key tiles at
+    block_n 128: ~16 a program; D=256: 4096 of 64 keys)."""
+    _check_persistent_backward(rng, monkeypatch, None, head_dim, mask, (16, 16, 16, 1024, 1024))
+
+
+@pytest.mark.parametrize("tile_order", [0, 1, 2])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["causal", "causal_top_left"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1533), (2, 4, 1, 77, 700), (1, 3, 1, 1300, 1300)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gluon_ws_backward_persistent_tile_orders(rng, monkeypatch, tile_order, head_dim, mask, shape):
+    """Each causal key-tile order (LPT, heads, pairs; 1300 keys: 11 key tiles a head, the pairs
+    order's middle tile and odd unit count) on 5 programs."""
+    _check_persistent_backward(rng, monkeypatch, 5, head_dim, mask, shape, tile_order=tile_order)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+@pytest.mark.parametrize("kernel", ["fp16", "atomics"])
+def test_gluon_ws_backward_persistent_fp16_and_atomics(rng, monkeypatch, head_dim, mask, kernel):
+    """fp16, and dQ by the writer's red.v4 (dq_tma 0: what dq_acc TMA cannot address gets), on 7
+    programs, GQA 4 query heads a KV head."""
+    if kernel == "fp16":
+        _check_persistent_backward(rng, monkeypatch, 7, head_dim, mask, (2, 8, 2, 1000, 1533), dtype=torch.float16)
+    else:
+        _check_persistent_backward(rng, monkeypatch, 7, head_dim, mask, (2, 8, 2, 1000, 1533), dq_tma=0)

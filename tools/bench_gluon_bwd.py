@@ -14,7 +14,11 @@ D 64/128, bf16, causal and not, plus GQA 4x32/8 at 8192. Contenders alternate pe
     that head dim with this tile (block_m, block_n, warps, stages), the rest of the registry as is;
     a third field names the pipeline (d128:m64n128w8s2:gluon, the kernel without warp specialization),
     a fourth changes that pipeline's kernel shape (`bwd_gluon.SHAPES`), e.g.
-    d128:m64n128w8s2:gluon_ws:dq_bufs=1+dq_cols=64, d128:m64n128w8s2:gluon:dq_tma=0.
+    d128:m64n128w8s2:gluon_ws:dq_bufs=1+dq_cols=64, d128:m64n128w8s2:gluon:dq_tma=0;
+    persistent=1 there makes the config persistent (gluon_ws: one program per SM
+    walking the key tiles) and tile_order=N sets its causal key-tile order (bwd_gluon._my_key_tile:
+    0 LPT, 1 heads, 2 pairs, the default), e.g. d128:m64n128w8s3:gluon_ws:persistent=1+tile_order=0.
+    Short sequences, where the persistent kernel is meant to help: --shapes 16:16:16:1024:128:f,...
 """
 
 import json
@@ -64,8 +68,12 @@ def _variant_dispatcher(spec: str) -> Dispatcher:
         changes["pipeline"] = Pipeline(rest[0])
     if len(rest) > 1:
         d, pipeline = int(head_dim[1:]), rest[0]
-        shape = {**DEFAULT_SHAPES[pipeline][d], **{k: int(v) for k, v in (kv.split("=") for kv in rest[1].split("+"))}}
-        SHAPES[f"fmha_{spec}"] = {**DEFAULT_SHAPES, pipeline: {**DEFAULT_SHAPES[pipeline], d: shape}}
+        assigned = {k: int(v) for k, v in (kv.split("=") for kv in rest[1].split("+"))}
+        if "persistent" in assigned:  # the config's, not the kernel shape's
+            changes["persistent"] = bool(assigned.pop("persistent"))
+        if assigned:
+            shape = {**DEFAULT_SHAPES[pipeline][d], **assigned}
+            SHAPES[f"fmha_{spec}"] = {**DEFAULT_SHAPES, pipeline: {**DEFAULT_SHAPES[pipeline], d: shape}}
     configs, replaced = [], False
     for c in default_registry():
         if c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon and c.signature.head_dims == (

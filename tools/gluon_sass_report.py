@@ -9,7 +9,8 @@ Two specializations per variant:
           through the JIT's own argument specialization on meta tensors.
 
     PYTHONPATH=src python tools/gluon_sass_report.py [--spec|--launch] [--seqlen S] [--group G]
-                                                     [--ws] [--hdims 64,128] [--variants D:M:N:S,...]
+                                                     [--ws [--persistent]] [--dtype fp16] [--hdims 64,128]
+                                                     [--variants D:M:N:S,...]
                                                      [--shape k=v+k=v]
                                                      [--module FILE] [--dump DIR] [--json PATH]
 
@@ -18,6 +19,8 @@ Two specializations per variant:
 --ws: the warp-specialized kernel (pipeline gluon_ws, its registry configs and the D=256 tile) instead;
     its "regs" column is the launch's 168 (the partitions `setmaxnreg` 240 / 24), so a column
     "rmax" adds the highest register the SASS uses + 1 (the compute warpgroups' need of 240).
+--persistent (with --ws): the persistent kernel (launch_dkdv(persistent=True), 132 SMs for the launch grid).
+--dtype fp16: fp16 instead of bf16 (--module: a version with the same launch_sources arguments).
 --hdims: only these head dims.
 --variants D:M:N:S,...: these (head_dim, block_m, block_n, stages) instead of the registry's,
     e.g. --ws --variants 64:128:128:2 (the 128-query warp-specialized tile).
@@ -78,9 +81,11 @@ def load_module(path: str, name: str = "_bwd_gluon_report"):
 
 
 def launch_sources(head_dim: int, block_m: int, block_n: int, stages: int, causal: bool,
-                   batch: int = 4, heads: int = 16, seqlen: int = 4096, group: int = 1, ws: bool = False):
-    """(signature, constexprs, attrs) the JIT derives from `launch_dkdv`'s arguments (meta tensors)."""
-    def t(*shape, dtype=torch.bfloat16):
+                   batch: int = 4, heads: int = 16, seqlen: int = 4096, group: int = 1, ws: bool = False,
+                   persistent: bool = False, elem: str = "bf16"):
+    """(signature, constexprs, attrs) the JIT derives from `launch_dkdv`'s arguments (meta tensors
+    of `elem`; persistent: an H200's 132 SMs)."""
+    def t(*shape, dtype=torch.float16 if elem == "fp16" else torch.bfloat16):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
     q, do = (t(batch, heads, seqlen, head_dim) for _ in range(2))
@@ -96,14 +101,16 @@ def launch_sources(head_dim: int, block_m: int, block_n: int, stages: int, causa
         def __getitem__(self, grid):
             return lambda *args, **kwargs: recorded.update(args=args, kwargs=kwargs)
 
-    kernel = getattr(bwd_gluon, kernel_name)
+    kernel, sm_count = getattr(bwd_gluon, kernel_name), getattr(bwd_gluon, "_sm_count", None)
     setattr(bwd_gluon, kernel_name, Recorder())
+    bwd_gluon._sm_count = lambda device: 132
     try:
         bwd_gluon.launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, causal=causal, align_bottom_right=False,
                               scale=head_dim ** -0.5, block_m=block_m, block_n=block_n, num_stages=stages,
-                              warp_specialized=ws)
+                              warp_specialized=ws, **({"persistent": True} if persistent else {}))
     finally:
         setattr(bwd_gluon, kernel_name, kernel)
+        bwd_gluon._sm_count = sm_count
     backend = CUDABackend(TARGET)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, _ = binder(*recorded["args"], **recorded["kwargs"])
@@ -241,17 +248,19 @@ def finish(rows: list[dict]) -> int:
 
 
 def compile_variant(head_dim, block_m, block_n, stages, causal, mode, dump: Path | None, seqlen: int,
-                    group: int, ws: bool = False) -> dict:
+                    group: int, ws: bool = False, persistent: bool = False, dtype: str = "bf16") -> dict:
+    more = {"persistent": True} if persistent else {}  # (--module: a version without the argument)
     if mode == "spec":
-        signature, constexprs, options = bwd_gluon.compile_spec("bf16", head_dim, block_m, block_n, stages,
-                                                                causal=causal, warp_specialized=ws)
+        signature, constexprs, options = bwd_gluon.compile_spec(dtype, head_dim, block_m, block_n, stages,
+                                                                causal=causal, warp_specialized=ws, **more)
         attrs = None
     else:
         signature, constexprs, attrs, options = launch_sources(head_dim, block_m, block_n, stages, causal,
-                                                               seqlen=seqlen, group=group, ws=ws)
+                                                               seqlen=seqlen, group=group, ws=ws, elem=dtype, **more)
     kernel = bwd_gluon.bwd_dkdv_ws_kernel if ws else bwd_gluon.bwd_dkdv_kernel
     tile = f"_m{block_m}" if block_m != 64 else ""
-    name = f"{'ws_' if ws else ''}d{head_dim}{tile}_s{stages}_{'causal' if causal else 'full'}_{mode}"
+    name = (f"{'ws_' if ws else ''}{'p_' if persistent else ''}d{head_dim}{tile}_s{stages}"
+            f"_{'causal' if causal else 'full'}_{mode}{'' if dtype == 'bf16' else '_' + dtype}")
     sass, fields = compile_sass(GluonASTSource(kernel, signature, constexprs, attrs), options, name, dump)
     return {"variant": name, **fields, "max_register": max_register(sass), "loop": loop_counts(sass)}
 
@@ -270,6 +279,8 @@ def main() -> int:
     modes = ["spec"] if "--spec" in sys.argv else ["launch"] if "--launch" in sys.argv else ["spec", "launch"]
     dump = dump_dir()
     ws = "--ws" in sys.argv
+    persistent = "--persistent" in sys.argv
+    dtype = option("--dtype", str, "bf16")
     variants = WS_VARIANTS if ws else VARIANTS
     if "--variants" in sys.argv:
         variants = [tuple(map(int, v.split(":"))) for v in option("--variants").split(",")]
@@ -286,7 +297,8 @@ def main() -> int:
     for (head_dim, block_m, block_n, stages), causal, mode in (
             (v, c, m) for v in variants for c in (False, True) for m in modes):
         t0 = time.time()
-        row = compile_variant(head_dim, block_m, block_n, stages, causal, mode, dump, seqlen, group, ws)
+        row = compile_variant(head_dim, block_m, block_n, stages, causal, mode, dump, seqlen, group, ws,
+                              persistent, dtype)
         rows.append(row)
         rmax = f"  {row['max_register']:>4}" if ws else ""
         print_row(row, 24, row["loop"], COUNTED, tail=f"{rmax}  ({time.time() - t0:.0f}s)")

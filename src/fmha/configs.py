@@ -129,8 +129,9 @@ class Signature:
 @dataclass(frozen=True)
 class Algorithm:
     """How a config runs: tile sizes, warps, software-pipelining depth, pipeline variant.
-    persistent (the Gluon forward): one program per SM walks the CTA tiles instead of one
-    program per tile, so a tile's epilogue overlaps the next tile's loads."""
+    persistent (the Gluon forward; the warp-specialized Gluon dK/dV): one
+    program per SM walks the CTA (key) tiles instead of one program per tile, so a tile's
+    epilogue overlaps the next tile's loads."""
 
     block_m: int
     block_n: int
@@ -239,9 +240,11 @@ def _gluon_rule_violations(s: Signature, a: Algorithm) -> list[str]:
     """The Hopper Gluon kernels' fixed shapes (kernels/fwd_gluon.py, bwd_gluon.py): an edited
     config outside them is refused here instead of failing in the compiler."""
     rules = []
-    if a.persistent and (s.family != Family.FWD or a.pipeline in (Pipeline.TRITON, Pipeline.GLUON)):
-        rules.append(f"persistent: only the Gluon forward has a persistent kernel, got family {s.family.value} "
-                     f"pipeline {a.pipeline.value}")
+    if a.persistent and not (
+            (s.family == Family.FWD and a.pipeline not in (Pipeline.TRITON, Pipeline.GLUON))
+            or (s.family == Family.BWD_DQ_DK_DV and a.pipeline == Pipeline.GLUON_WS)):
+        rules.append(f"persistent: only the Gluon forward and the warp-specialized Gluon dK/dV kernel have a "
+                     f"persistent kernel, got family {s.family.value} pipeline {a.pipeline.value}")
     if not a.pipeline.is_gluon:
         return rules
     if s.archs != ("sm90",):

@@ -384,7 +384,8 @@ def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob
             ws = a.pipeline == Pipeline.GLUON_WS
             module, kernel = bwd_gluon, "bwd_dkdv_ws_kernel" if ws else "bwd_dkdv_kernel"
             signature, constexprs, options = bwd_gluon.compile_spec(*args, causal=variant == "causal",
-                                                                    num_warps=a.num_warps, warp_specialized=ws)
+                                                                    num_warps=a.num_warps, warp_specialized=ws,
+                                                                    persistent=a.persistent)
         else:
             raise ValueError(f"no Gluon kernel for family {config.family.value}")
         jobs.append((variant, CompileJob(module.__name__, kernel, tuple(signature.items()),

@@ -231,8 +231,14 @@ def default_registry() -> Registry:
     # +16-25% at D=64, attempt 22; with dQ by TMA reduce-add, 3 stages and one dQ buffer it
     # leads at D=128 too, attempt 25); `fmha tune` times both. D=64: 128-query stages in two
     # 64-query halves (bwd_gluon._ws_compute_m128), 1.00x cuDNN where m64 ran 0.885x (attempt 31).
+    # D=64 persistent (one program per SM walking the key tiles, the next tile's K/V loaded
+    # under the dK/dV stores): dK/dV kernel GPU time -5.4% full, -9.2% causal at B=16 S=1024
+    # and -7.1% causal at B=4 S=4096 (H200, 2026-11-30, attempt 43); at D 128/256 it measured
+    # 0.98-1.00x of the one-tile kernel, so they stay one-tile.
+    m128_halves = ws_bwd + ", 128-query stages in two halves"
     configs += [_gluon_config(Family.BWD_DQ_DK_DV, 64, 128, 128, 8, 2, Pipeline.GLUON_WS,
-                              ws_bwd + ", 128-query stages in two halves"),
+                              m128_halves + ", persistent", persistent=True),
+                _gluon_config(Family.BWD_DQ_DK_DV, 64, 128, 128, 8, 2, Pipeline.GLUON_WS, m128_halves),
                 _gluon_config(Family.BWD_DQ_DK_DV, 64, 64, 128, 8, 3, Pipeline.GLUON, bwd_notes),
                 _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 3, Pipeline.GLUON_WS, ws_bwd),
                 _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 2, Pipeline.GLUON, bwd_notes),

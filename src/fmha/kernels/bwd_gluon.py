@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import launch_cache
+from . import fwd_gluon, launch_cache
 from .gluon_common import acc_layout, descriptor, descriptor_type, fast_descriptor, tma_aligned, tma_reduce_add
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -347,6 +347,81 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr,
 # handed over in the consumed Q/dO stage, which the writer releases (docs/notes/bwd-d256-ws.md).
 
 @gluon.jit
+def _key_coords(bh, n0, seqlen_q, nheads_k, group, diag, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """`_key_tile` of the key tile at key n0 of (batch, KV head) bh (the persistent kernel's; the
+    one-tile kernels keep their own copy: an extra inlined call changes their SASS through the
+    debug information ptxas sees)."""
+    ubh = bh.to(gl.uint32)  # (unsigned: fewer registers for the division's operands)
+    b = (ubh // nheads_k.to(gl.uint32)).to(gl.int32)
+    hk = (ubh % nheads_k.to(gl.uint32)).to(gl.int32)
+    m_start = 0
+    if CAUSAL:
+        m_start = gl.maximum(n0 - diag, 0) // BLOCK_M
+    n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_start, 0)
+    return b, hk, hk * group, n0, m_start, n_m
+
+
+# Persistent schedule (bwd_dkdv_ws_kernel's PERSISTENT): program p of P runs the key tiles
+# t(k) = k * P + slot(k), slot(k) = p in even rounds k and P - 1 - p in odd ones (a snake), while
+# t(k) < number of key tiles (fwd_gluon._my_tile_count). Order of the key tiles: without a mask
+# heads outermost as in the one-tile grid (a head's key tiles share its Q and dO in L2); under
+# causal, where key tile i of a head has ~(n - i) query tiles (the first the most), TILE_ORDER:
+#   0 (LPT): key tile 0 of every (batch, KV head), then key tile 1, ...;
+#   1 (heads): heads outermost, key tiles in order (the longest of a head first);
+#   2 (pairs): units of two tiles handed out by the snake, a head's longest and shortest key tile,
+#      then its second longest and second shortest, ... (equal work per unit), heads outermost
+#      (fwd_gluon._pair_tile with key tiles for row tiles, reversed).
+# Every partition of a program walks the same sequence.
+@gluon.jit
+def _my_key_tile(k, num_bh, seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TILE_ORDER: gl.constexpr):
+    """`_key_tile` of this program's k-th key tile (k < fwd_gluon._my_tile_count(num_bh * key tiles))."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_n = gl.cdiv(seqlen_k, BLOCK_N)
+    if CAUSAL and TILE_ORDER == 2:
+        j = k // 2
+        u = j * nprog + pid + (j & 1) * (nprog - 1 - 2 * pid)
+        bh, longest_last = fwd_gluon._pair_tile(2 * u + (k & 1), num_bh, num_n)
+        n_idx = num_n - 1 - longest_last
+    else:
+        t = k * nprog + pid + (k & 1) * (nprog - 1 - 2 * pid)
+        if CAUSAL and TILE_ORDER == 0:
+            bh = t % num_bh
+            n_idx = t // num_bh
+        else:
+            ut = t.to(gl.uint32)
+            bh = (ut // num_n.to(gl.uint32)).to(gl.int32)
+            n_idx = (ut % num_n.to(gl.uint32)).to(gl.int32)
+    return _key_coords(bh, n_idx * BLOCK_N, seqlen_q, nheads_k, group, diag, CAUSAL, BLOCK_M)
+
+
+@gluon.jit
+def _load_stage(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, stat_ready,
+                slot, j, m_start, n_m, hq0, b, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                STATS_TMA: gl.constexpr):
+    """`_load_tile` of the key tile's iteration j (query head, query tile) into ring use `slot`
+    (stage slot % STAGES): the persistent kernel's ring counts on across key tiles. (A copy:
+    `_load_tile` calling this changes the one-tile kernels' SASS through the debug information.)"""
+    stage = slot % STAGES
+    h = hq0 + j // n_m
+    m0 = (m_start + j % n_m) * BLOCK_M
+    bar = ready.index(stage)
+    mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    if STATS_TMA:
+        stat_bar = stat_ready.index(stage)
+        mbarrier.expect(stat_bar, lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], bar, q_smem.index(stage).reshape(q_desc.block_type.shape))
+    if STATS_TMA:
+        tma.async_copy_global_to_shared(lse_desc, [b, h, m0], stat_bar,
+                                        lse_smem.index(stage).reshape(lse_desc.block_type.shape))
+    tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], bar, do_smem.index(stage).reshape(do_desc.block_type.shape))
+    if STATS_TMA:
+        tma.async_copy_global_to_shared(delta_desc, [b, h, m0], stat_bar,
+                                        delta_smem.index(stage).reshape(delta_desc.block_type.shape))
+
+
+@gluon.jit
 def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, STATS_TMA: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
@@ -364,6 +439,41 @@ def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
 
 
 @gluon.jit
+def _ws_loader_persistent(args, kv_empty, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr, STATS_TMA: gl.constexpr, TILE_ORDER: gl.constexpr):
+    """`_ws_loader` of the persistent kernel: the ring counts on across key tiles (`it`). K and V
+    are single buffers: tile k's go in once the compute warps released tile k-1's (kv_empty,
+    phase k-1: after their last products of the tile, before its dK/dV stores). Before that wait
+    the loader issues tile k's first min(STAGES, iterations) Q/dO stages, which need only ring
+    stages the compute warps free while they finish tile k-1 (no wait on kv_empty), so the ring
+    keeps streaming across the tile border."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    num_bh = k_desc.shape[0] * nheads_k
+    it = 0
+    for k in range(fwd_gluon._my_tile_count(gl.cdiv(seqlen_k, BLOCK_N) * num_bh, CAUSAL, TILE_ORDER)):
+        b, hk, hq0, n0, m_start, n_m = _my_key_tile(k, num_bh, seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL,
+                                                    BLOCK_M, BLOCK_N, TILE_ORDER)
+        total = group * n_m
+        early = gl.where(k > 0, gl.minimum(total, STAGES), 0)  # the first tile: K and V first
+        for j in range(early):
+            mbarrier.wait(empty.index((it + j) % STAGES), (((it + j) // STAGES) & 1) ^ 1)
+            _load_stage(q_desc, do_desc, lse, delta, q_smem, do_smem, lse_smem, delta_smem, ready, stat_ready,
+                        it + j, j, m_start, n_m, hq0, b, BLOCK_M, STAGES, STATS_TMA)
+        # A fresh mbarrier counts as having completed the phase before phase 0.
+        mbarrier.wait(kv_empty, (k & 1) ^ 1)
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem.reshape(k_desc.block_type.shape))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem.reshape(v_desc.block_type.shape))
+        for j in range(early, total):
+            mbarrier.wait(empty.index((it + j) % STAGES), (((it + j) // STAGES) & 1) ^ 1)
+            _load_stage(q_desc, do_desc, lse, delta, q_smem, do_smem, lse_smem, delta_smem, ready, stat_ready,
+                        it + j, j, m_start, n_m, hq0, b, BLOCK_M, STAGES, STATS_TMA)
+        it += total
+
+
+@gluon.jit
 def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_TMA: gl.constexpr):
     """Adds each handed-over dQ tile to dq_acc: with DQ_TMA by one TMA reduce-add of the
@@ -374,17 +484,50 @@ def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    _ws_dq_writer_tile(args, b, hq0, m_start, n_m, 0, BLOCK_M, HEAD_DIM, DQ_BUFS, DQ_TMA)
+
+
+@gluon.jit
+def _ws_dq_writer_persistent(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,
+                             DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_ALIAS: gl.constexpr,
+                             TILE_ORDER: gl.constexpr):
+    """`_ws_dq_writer` (DQ_ALIAS: `_ws_dq_writer_alias`) of the persistent kernel: the hand-over
+    buffers (the ring's stages) count on across key tiles."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    num_bh = k_desc.shape[0] * nheads_k
+    it = 0
+    for k in range(fwd_gluon._my_tile_count(gl.cdiv(seqlen_k, BLOCK_N) * num_bh, CAUSAL, TILE_ORDER)):
+        b, hk, hq0, n0, m_start, n_m = _my_key_tile(k, num_bh, seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL,
+                                                    BLOCK_M, BLOCK_N, TILE_ORDER)
+        if DQ_ALIAS:
+            _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, it, BLOCK_M, STAGES, DQ_COLS, DQ_TMA)
+        else:
+            _ws_dq_writer_tile(args, b, hq0, m_start, n_m, it, BLOCK_M, HEAD_DIM, DQ_BUFS, DQ_TMA)
+        it += group * n_m
+
+
+@gluon.jit
+def _ws_dq_writer_tile(args, b, hq0, m_start, n_m, base, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       DQ_BUFS: gl.constexpr, DQ_TMA: gl.constexpr):
+    """The writer's work for one key tile: its iterations j take hand-over `base + j`."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
     ROWS: gl.constexpr = 8
     COLS: gl.constexpr = 32
     gl.static_assert(gl.num_warps() == 2, "a block of 8 x 32 fp32 is one quad per thread of 2 warps")
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [2, 1], [1, 0])
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
     block_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     offsets = block_rows[:, None] * stride_dqm + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))[None, :]
-    for it in range(group * n_m):
+    for j in range(group * n_m):
+        it = base + j
         buf = it % DQ_BUFS
-        h = hq0 + it // n_m
-        m0 = (m_start + it % n_m) * BLOCK_M
+        h = hq0 + j // n_m
+        m0 = (m_start + j % n_m) * BLOCK_M
         mbarrier.wait(dq_full.index(buf), (it // DQ_BUFS) & 1)
         if DQ_TMA:
             tma_reduce_add(dq_acc, [b, h, m0, 0], dq_smem.index(buf).reshape(dq_acc.block_type.shape))
@@ -410,6 +553,25 @@ def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.c
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())  # dK, dV
+    dk, dv = _ws_compute_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL, BLOCK_M,
+                              BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)
+    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+
+
+@gluon.jit
+def _ws_compute_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, base, kv_phase, CAUSAL: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                     STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
+    """`_ws_compute`'s work on one key tile (its coordinates from `_key_tile`), K and V of the
+    tile in phase kv_phase of kv_bar: iteration j takes ring use and hand-over `base + j`.
+    Returns the unscaled dK and dV; when it returns, every product reading K and V is done."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     dtype: gl.constexpr = q_desc.dtype
     NUM_WARPS: gl.constexpr = gl.num_warps()
     st_layout: gl.constexpr = acc_layout(BLOCK_N, BLOCK_M, NUM_WARPS)  # S^T, dP^T: keys x queries
@@ -419,18 +581,18 @@ def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.c
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
 
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
     keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-    mbarrier.wait(kv_bar, 0)
-    for it in range(group * n_m):
+    mbarrier.wait(kv_bar, kv_phase)
+    for j in range(group * n_m):
+        it = base + j
         stage = it % STAGES
         phase = (it // STAGES) & 1
-        h = hq0 + it // n_m
-        m0 = (m_start + it % n_m) * BLOCK_M
+        h = hq0 + j // n_m
+        m0 = (m_start + j % n_m) * BLOCK_M
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
         mbarrier.wait(ready.index(stage), phase)
@@ -467,8 +629,7 @@ def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.c
         gl.thread_barrier()  # dQ stored by every warp; every product reading Q, dO and dS is done
         mbarrier.arrive(dq_full.index(buf), count=1)
         mbarrier.arrive(empty.index(stage), count=1)
-    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
-                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+    return dk, dv
 
 
 @gluon.jit
@@ -511,6 +672,26 @@ def _ws_compute_m128(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M:
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())  # dK, dV
+    dk, dv = _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL, BLOCK_M,
+                                   BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)
+    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+
+
+@gluon.jit
+def _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, base, kv_phase,
+                          CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                          STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
+    """`_ws_compute_m128`'s work on one key tile (its coordinates from `_key_tile`), K and V of the
+    tile in phase kv_phase of kv_bar: iteration j takes ring use and hand-over `base + j`.
+    Returns the unscaled dK and dV; when it returns, every product reading K and V is done."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     HALF: gl.constexpr = BLOCK_M // 2
     gl.static_assert(HALF == 64, "two 64-query halves")
     gl.static_assert(DQ_COLS == HEAD_DIM, "dQ in one product")
@@ -523,18 +704,18 @@ def _ws_compute_m128(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M:
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
 
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
     keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     st_zero = gl.zeros([BLOCK_N, HALF], gl.float32, st_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-    mbarrier.wait(kv_bar, 0)
-    for it in range(group * n_m):
+    mbarrier.wait(kv_bar, kv_phase)
+    for j in range(group * n_m):
+        it = base + j
         stage = it % STAGES
         phase = (it // STAGES) & 1
-        h = hq0 + it // n_m
-        m0 = (m_start + it % n_m) * BLOCK_M
+        h = hq0 + j // n_m
+        m0 = (m_start + j % n_m) * BLOCK_M
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
         mbarrier.wait(ready.index(stage), phase)
@@ -575,8 +756,7 @@ def _ws_compute_m128(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M:
         gl.thread_barrier()  # dQ stored by every warp; every product reading Q, dO and dS is done
         mbarrier.arrive(dq_full.index(buf), count=1)
         mbarrier.arrive(empty.index(stage), count=1)
-    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
-                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+    return dk, dv
 
 
 @gluon.jit
@@ -592,6 +772,50 @@ def _ws_compute_partition(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLO
     else:
         _ws_compute(args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
                     DQ_BUFS, DQ_COLS, DQ_TMA)
+
+
+@gluon.jit
+def _ws_compute_persistent(args, kv_empty, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
+                           DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_ALIAS: gl.constexpr,
+                           DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr, TILE_ORDER: gl.constexpr):
+    """`_ws_compute_partition` of the persistent kernel: this program's key tiles in turn (see
+    `_my_key_tile`), dK and dV zeroed per tile; the ring and the dQ hand-over count on across
+    tiles (`it`), K and V of tile k arrive in phase k & 1 of kv_bar. After the tile's last
+    iteration (its closing CTA barrier: every warp's products are done, K and V no longer read)
+    kv_empty lets the loader bring the next tile's K and V while dK and dV go out from registers."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+     qk_scale, scale) = out_args
+    kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())  # dK, dV
+    num_bh = k_desc.shape[0] * nheads_k
+    it = 0
+    for k in range(fwd_gluon._my_tile_count(gl.cdiv(seqlen_k, BLOCK_N) * num_bh, CAUSAL, TILE_ORDER)):
+        b, hk, hq0, n0, m_start, n_m = _my_key_tile(k, num_bh, seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL,
+                                                    BLOCK_M, BLOCK_N, TILE_ORDER)
+        if DQ_ALIAS:  # D=256 (`_ws_compute_d256`)
+            dk, dv = _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m_start, n_m, it,
+                                           k & 1, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_COLS,
+                                           DQ_TMA, DQ_EARLY, PS_SMEM)
+        elif BLOCK_M == 128:
+            dk, dv = _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, it, k & 1,
+                                           CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS,
+                                           DQ_TMA)
+        else:
+            dk, dv = _ws_compute_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, it, k & 1, CAUSAL,
+                                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)
+        # Every warp is past its last wgmma wait of the tile (its last iteration ended in a CTA
+        # barrier too) and past its kv_bar wait: without this barrier, after a tile without
+        # queries (no iteration, no barrier) a warp still before its kv_bar wait could find
+        # kv_bar two phases on (the next tile's K/V already in) and wait for ever.
+        gl.thread_barrier()
+        mbarrier.arrive(kv_empty, count=1)
+        _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                    stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+        it += group * n_m
 
 
 @gluon.jit
@@ -622,6 +846,28 @@ def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, 
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())  # dK, dV
+    dk, dv = _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL,
+                                   BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY,
+                                   PS_SMEM)
+    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+
+
+@gluon.jit
+def _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m_start, n_m, base, kv_phase,
+                          CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
+                          DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_EARLY: gl.constexpr,
+                          PS_SMEM: gl.constexpr):
+    """`_ws_compute_d256`'s work on one key tile (its coordinates from `_key_tile`), K and V of the
+    tile in phase kv_phase of kv_bar: iteration j takes ring use `base + j`. Returns the
+    unscaled dK and dV; when it returns, every product reading K and V is done."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     gl.static_assert(2 * DQ_COLS == HEAD_DIM, "dQ halves staged in the Q and dO buffers")
     dtype: gl.constexpr = q_desc.dtype
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -633,18 +879,18 @@ def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, 
     row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
     dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
 
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
     keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-    mbarrier.wait(kv_bar, 0)
-    for it in range(group * n_m):
+    mbarrier.wait(kv_bar, kv_phase)
+    for j in range(group * n_m):
+        it = base + j
         stage = it % STAGES
         phase = (it // STAGES) & 1
-        h = hq0 + it // n_m
-        m0 = (m_start + it % n_m) * BLOCK_M
+        h = hq0 + j // n_m
+        m0 = (m_start + j % n_m) * BLOCK_M
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
         mbarrier.wait(ready.index(stage), phase)
@@ -696,8 +942,7 @@ def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, 
         fence_async_shared()
         gl.thread_barrier()  # dQ stored by every warp; every product reading dS^T is done
         mbarrier.arrive(dq_full.index(stage), count=1)
-    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
-                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+    return dk, dv
 
 
 @gluon.jit
@@ -709,18 +954,29 @@ def _ws_dq_writer_alias(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, 0, BLOCK_M, STAGES, DQ_COLS, DQ_TMA)
+
+
+@gluon.jit
+def _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, base, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                             DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
+    """The alias writer's work for one key tile: its iterations j take ring use `base + j`."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
     ROWS: gl.constexpr = 8
     COLS: gl.constexpr = 32
     gl.static_assert(gl.num_warps() == 2, "a block of 8 x 32 fp32 is one quad per thread of 2 warps")
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [2, 1], [1, 0])
     dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
     block_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     offsets = block_rows[:, None] * stride_dqm + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))[None, :]
-    for it in range(group * n_m):
+    for j in range(group * n_m):
+        it = base + j
         stage = it % STAGES
-        h = hq0 + it // n_m
-        m0 = (m_start + it % n_m) * BLOCK_M
+        h = hq0 + j // n_m
+        m0 = (m_start + j % n_m) * BLOCK_M
         mbarrier.wait(dq_full.index(stage), (it // STAGES) & 1)
         dq_half0 = q_smem.index(stage)._reinterpret(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout)
         dq_half1 = do_smem.index(stage)._reinterpret(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout)
@@ -753,7 +1009,8 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
                        CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
                        DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr,
-                       DQ_ALIAS: gl.constexpr, DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr):
+                       DQ_ALIAS: gl.constexpr, DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr,
+                       PERSISTENT: gl.constexpr = False, TILE_ORDER: gl.constexpr = 0):
     """Arguments as bwd_dkdv_kernel's (dq_acc 16-byte aligned, strides multiples of 4; with
     DQ_TMA its descriptor, blocks of BLOCK_M x HEAD_DIM). DQ_BUFS: dQ hand-over buffers in shared
     memory; DQ_COLS: dQ columns per product.
@@ -761,7 +1018,11 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     of DQ_COLS columns are staged in the consumed stage's Q and dO buffers (dq_acc blocks of
     BLOCK_M x DQ_COLS), one dq_full barrier per stage, and the writer releases the stage.
     DQ_EARLY, PS_SMEM (with DQ_ALIAS; PS_SMEM: a BLOCK_N x BLOCK_M buffer for P^T): see
-    `_ws_compute_d256`."""
+    `_ws_compute_d256`.
+    PERSISTENT: a grid of at most one program per SM, each running key tiles
+    in turn (`_my_key_tile`, causal order TILE_ORDER), every partition walking the same
+    sequence; the ring's and the hand-over's barriers count on across tiles, K and V (single
+    buffers) are refilled once the compute warps arrive on kv_empty (docs/notes/bwd-persistent.md)."""
     dtype: gl.constexpr = q_desc.dtype
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -812,7 +1073,20 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     lse_strides = (stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem)
     out_args = (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 qk_scale, scale)
-    if DQ_ALIAS:  # D=256: 64 keys x 64 queries, dQ staged in the consumed Q/dO stage
+    if PERSISTENT:  # key tiles in turn (any of the three bodies below)
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_empty, count=1)
+        if not DQ_ALIAS:
+            p_smem = ds_smem  # (not used)
+        gl.warp_specialize([
+            (_ws_compute_persistent, (args, kv_empty, lse_strides, out_args, p_smem, CAUSAL, BLOCK_M, BLOCK_N,
+                                      HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA, DQ_ALIAS, DQ_EARLY,
+                                      PS_SMEM, TILE_ORDER)),
+            (_ws_loader_persistent, (args, kv_empty, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA, TILE_ORDER)),
+            (_ws_dq_writer_persistent, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFS, DQ_COLS, DQ_TMA,
+                                        DQ_ALIAS, TILE_ORDER)),
+        ], [1, 2], [WORKER_REGS, WORKER_REGS])
+    elif DQ_ALIAS:  # D=256: 64 keys x 64 queries, dQ staged in the consumed Q/dO stage
         gl.warp_specialize([
             (_ws_compute_d256, (args, lse_strides, out_args, p_smem, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                                 STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY, PS_SMEM)),
@@ -841,29 +1115,39 @@ def dq_columns(head_dim: int) -> int:
 # hand-over buffer: `_ws_compute_d256`, docs/notes/bwd-d256-ws.md): dQ in two halves of 128
 # columns staged in the consumed Q/dO stage; dq_early: the second half's product issued before
 # the first half's store (not measured yet).
+# Persistent (PERSISTENT) causal key-tile order where SHAPES gives no tile_order (see `_my_key_tile`):
+# pairs (a head's longest with its shortest key tile), the forward's best at most shapes. At D=64
+# (the one head dim registered persistent) heads outermost measured best: dK/dV GPU time 1.10x
+# the one-tile kernel's at B=16 S=1024 causal (pairs 1.08x, LPT 0.95x) and 1.08x at B=4 S=4096
+# (pairs 1.04x, LPT 1.05x); H200, 2026-11-30, attempt 43.
+DEFAULT_TILE_ORDER = 2
 SHAPES = {
     "gluon": {64: dict(dq_tma=1), 128: dict(dq_tma=1), 256: dict(dq_tma=1, dq_alias=1)},
-    "gluon_ws": {64: dict(dq_bufs=2, dq_cols=64, dq_tma=1), 128: dict(dq_bufs=1, dq_cols=128, dq_tma=1),
+    "gluon_ws": {64: dict(dq_bufs=2, dq_cols=64, dq_tma=1, tile_order=1), 128: dict(dq_bufs=1, dq_cols=128, dq_tma=1),
                  256: dict(dq_bufs=0, dq_cols=128, dq_tma=1, dq_alias=1, dq_early=0, ps_smem=1)},
 }
 
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_bottom_right: bool,
                 scale: float, block_m: int, block_n: int, num_stages: int, num_warps: int = 8,
-                warp_specialized: bool = False) -> None:
+                warp_specialized: bool = False, persistent: bool = False) -> None:
     """(B, H, S, D) views; lse/delta (B, Hq, Sq) fp32; dq_acc fp32 (B, Hq, Sq, D) view, zeroed
-    (16-byte aligned rows for the warp-specialized kernel: fmha allocates it so)."""
+    (16-byte aligned rows for the warp-specialized kernel: fmha allocates it so).
+    persistent (warp_specialized): one program per SM walks the key tiles
+    (bwd_dkdv_ws_kernel's PERSISTENT; causal tile order from SHAPES' tile_order)."""
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
     grid = (triton.cdiv(seqlen_k, block_n) * batch * nheads_k,)
+    if persistent:  # one program per SM (~200 KB of shared memory a program)
+        grid = (min(grid[0], _sm_count(q.device)),)
     # LSE/delta by TMA needs 16-byte aligned bases and row strides (Sq % 4 == 0 when contiguous).
     stats_tma = tma_aligned(lse, delta)
     # dQ pairs 8-byte aligned: the kernel assumes column stride 1; the other strides even.
     dq_v2 = dq_acc.data_ptr() % 8 == 0 and all(s % 2 == 0 for s in dq_acc.stride()[:3])
     kernel, constexprs, options, reduce_cols = _kernel_spec(
         head_dim, block_m, block_n, num_stages, causal=causal, stats_tma=stats_tma, dq_tma=tma_aligned(dq_acc),
-        dq_v2=dq_v2, num_warps=num_warps, warp_specialized=warp_specialized)
+        dq_v2=dq_v2, num_warps=num_warps, warp_specialized=warp_specialized, persistent=persistent)
     dq_tma = constexprs["DQ_TMA"]
     if warp_specialized and not (dq_tma or dq_quads_aligned(dq_acc)):
         raise ValueError("dq_acc: the warp-specialized dK/dV kernel adds dQ in 16-byte quads; "
@@ -883,29 +1167,45 @@ def dq_quads_aligned(dq_acc) -> bool:
             and all(s % 4 == 0 for s in dq_acc.stride()[:3]))
 
 
-def ws_shared_bytes(head_dim, block_m, block_n, stages, dq_bufs) -> int:
+@functools.cache
+def _sm_count(device) -> int:
+    """Multiprocessors of `device` (a torch.device): the persistent grid's size."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def ws_shared_bytes(head_dim, block_m, block_n, stages, dq_bufs, persistent=False) -> int:
     """Shared memory of `bwd_dkdv_ws_kernel` (bf16/fp16): K and V, the Q/dO/LSE/delta ring, dS^T,
     the fp32 dQ hand-over buffers; 444 bytes of barriers and alignment on top (as compiled).
     With 64 keys on 8 warps (D=256, dq_bufs 0) each warpgroup holds half the queries of P^T and
     dS^T: P^T gets a block_n x block_m buffer of its own (PS_SMEM; as compiled: 214364 bytes at
-    2 stages) or their conversion to wgmma operands a scratch buffer (at most as large; 209996)."""
+    2 stages) or their conversion to wgmma operands a scratch buffer (at most as large; 209996).
+    persistent: PERSISTENT's kv_empty barrier, PERSISTENT_BARRIER_BYTES more as compiled."""
     scratch = block_n * block_m * 2 if block_n < 128 else 0
     return (2 * block_n * head_dim * 2 + stages * (2 * block_m * head_dim * 2 + 2 * block_m * 4)
-            + block_n * block_m * 2 + dq_bufs * block_m * head_dim * 4 + scratch + 444)
+            + block_n * block_m * 2 + dq_bufs * block_m * head_dim * 4 + scratch + 444
+            + (PERSISTENT_BARRIER_BYTES if persistent else 0))
+
+
+PERSISTENT_BARRIER_BYTES = 32  # kv_empty: one 8-byte mbarrier, as compiled (D 64/128/256: +32 bytes)
 
 
 def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, dq_tma, dq_v2, num_warps,
-                 warp_specialized):
+                 warp_specialized, persistent=False):
     """(kernel, constexprs, launch options, dQ columns per reduce-add) of one launch, the
     kernel shape from SHAPES. dq_tma: whether TMA can address dq_acc (it is used where the
     shape says so). The warp-specialized launch's num_warps is the compute partition's 8;
-    with the workers 12 warps start at 168 registers (WORKER_REGS)."""
+    with the workers 12 warps start at 168 registers (WORKER_REGS). persistent: PERSISTENT,
+    with the shape's causal tile order (TILE_ORDER; 0 without a mask or persistence)."""
     shape = SHAPES["gluon_ws" if warp_specialized else "gluon"][head_dim]
     dq_tma = bool(shape["dq_tma"]) and dq_tma
     common = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
                   STATS_TMA=stats_tma)
+    if persistent and not warp_specialized:
+        raise ValueError("persistent dK/dV: only the warp-specialized kernel (bwd_dkdv_ws_kernel)")
     if warp_specialized:  # the writer reduces the whole handed-over tile
-        smem = ws_shared_bytes(head_dim, block_m, block_n, num_stages, shape["dq_bufs"])
+        smem = ws_shared_bytes(head_dim, block_m, block_n, num_stages, shape["dq_bufs"], persistent)
         if smem > 232448:  # sm_90's 227 KB a block (e.g. block_m 128 with 3 stages and 2 dQ buffers)
             raise ValueError(f"warp-specialized dK/dV: block_m={block_m} block_n={block_n} stages={num_stages} "
                              f"dq_bufs={shape['dq_bufs']} at head dim {head_dim} needs {smem} bytes of shared "
@@ -913,7 +1213,8 @@ def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, d
         alias = bool(shape.get("dq_alias"))  # (D=256: the reduce-adds are of dQ's column halves)
         constexprs = dict(common, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"], DQ_TMA=dq_tma,
                           DQ_ALIAS=alias, DQ_EARLY=alias and bool(shape.get("dq_early")),
-                          PS_SMEM=alias and bool(shape.get("ps_smem")))
+                          PS_SMEM=alias and bool(shape.get("ps_smem")), PERSISTENT=persistent,
+                          TILE_ORDER=shape.get("tile_order", DEFAULT_TILE_ORDER) if persistent and causal else 0)
         return (bwd_dkdv_ws_kernel, constexprs, {"num_warps": 8, "maxnreg": 168},
                 shape["dq_cols"] if alias else head_dim)
     dq_cols = shape.get("dq_cols", dq_columns(head_dim))
@@ -935,14 +1236,15 @@ def _stats_descriptor(t, block_m: int):
 
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
                  causal: bool, stats_tma: bool = True, dq_v2: bool = True, num_warps: int = 8,
-                 warp_specialized: bool = False, dq_tma: bool | None = None) -> tuple[dict, dict, dict]:
+                 warp_specialized: bool = False, dq_tma: bool | None = None,
+                 persistent: bool = False) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `bwd_dkdv_kernel` (`bwd_dkdv_ws_kernel` when
     warp_specialized) as `launch_dkdv` calls it (with TMA-aligned LSE/delta and dq_acc unless
-    told otherwise; dq_tma None: as SHAPES says)."""
+    told otherwise; dq_tma None: as SHAPES says; persistent: launch_dkdv(persistent=True))."""
     kernel, constexprs, options, reduce_cols = _kernel_spec(
         head_dim, block_m, block_n, num_stages, causal=causal, stats_tma=stats_tma,
         dq_tma=True if dq_tma is None else dq_tma, dq_v2=dq_v2, num_warps=num_warps,
-        warp_specialized=warp_specialized)
+        warp_specialized=warp_specialized, persistent=persistent)
     dq_type = descriptor_type("fp32", block_m, reduce_cols) if constexprs["DQ_TMA"] else "*fp32"
 
     def desc(rows):
