@@ -4,6 +4,7 @@ import csv
 import io
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -229,3 +230,34 @@ def test_merge_refuses_a_file_that_is_not_bench_output(capsys, tmp_path):
     bad.write_text('{"configs": []}')
     assert cli.main(["bench", "--merge", str(bad)]) == 2
     assert "cannot read bench results" in capsys.readouterr().err
+
+
+def test_host_bound_rows_name_the_rows_the_host_set():
+    """A row whose host time a call reaches 80% of its measured time is listed as host-bound;
+    rows without host_ms (older JSON) or failed rows are not."""
+    shape = Shape(16, 16, 16, 1024, 64, causal=True)
+    gpu_bound, host_bound, old, failed = (_result(shape, "bwd", name, 200.0)
+                                          for name in ("cudnn", "fmha", "flash", "flex"))
+    gpu_bound["host_ms"] = 0.2 * gpu_bound["time_ms"]
+    host_bound["host_ms"] = 0.9 * host_bound["time_ms"]
+    failed.update(ok=False, host_ms=5.0)
+    lines = bench.host_bound_rows([gpu_bound, host_bound, old, failed])
+    assert len(lines) == 1 and lines[0].startswith(f"host-bound: fmha bwd {shape.label}: "), lines
+    assert bench.host_bound_rows([host_bound], fraction=0.95) == []
+
+
+def test_runner_host_time_is_the_enqueue_time_of_a_call(monkeypatch):
+    """_Runner.host_ms: wall time of back-to-back calls of the timed function over their count
+    (a 2 ms sleep stands in for a host-bound call; synchronize is stubbed on the CPU)."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+
+    def slow_call():
+        calls.append(1)
+        time.sleep(0.002)
+
+    runner = bench._Runner("fmha", [(1.0, slow_call), (-1.0, lambda: None)])
+    host = runner.host_ms(measured_ms=1.0)
+    assert len(calls) == 5 and 2.0 <= host < 4.0, (calls, host)  # ~5 ms of GPU work at 1 ms a call
+    calls.clear()
+    assert runner.host_ms(measured_ms=100.0) >= 2.0 and len(calls) == 3  # at least 3 calls

@@ -18,7 +18,9 @@ once to check that it works (an error makes it "n/a" with the error's first line
 stops the run) and that its output agrees with the others, then for `rounds` rounds every
 contender is timed with `triton.testing.do_bench(fn, warmup=25, rep=100,
 return_mode="median")`, in an order that rotates each round; a contender's time is the
-median over the rounds. Memory is released between shapes.
+median over the rounds. Memory is released between shapes. After each timing, a few calls
+are enqueued back to back without synchronizing to measure the host time a call
+(`host_ms`); rows where it reaches 80% of the measured time are printed as host-bound.
 
 Backward ("bwd"): the forward runs once with inputs that require grad, and the timed call
 is `torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)` on that retained graph,
@@ -253,6 +255,21 @@ class _Runner:
         return sum(sign * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
                    for sign, fn in self.parts)
 
+    def host_ms(self, measured_ms: float) -> float:
+        """CPU time to enqueue one call of the timed function (its first part), over a few
+        back-to-back calls without synchronizing: at or near `measured_ms`, the measurement
+        was bound by the host (Python, launches), not by the GPU. A few calls (~5 ms of GPU
+        work, 3-20 calls) keep the launch queue far from full, so the GPU does not slow them."""
+        fn = self.parts[0][1]
+        calls = max(3, min(20, round(5.0 / max(measured_ms, 1e-3))))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = (time.perf_counter() - start) / calls * 1e3
+        torch.cuda.synchronize()
+        return host
+
 
 def _expand_kv(shape: Shape, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     group = shape.nhead_q // shape.nhead_k
@@ -388,6 +405,7 @@ def _run_shape(shape: Shape, modes, contenders, rounds, warmup_ms, rep_ms, bar, 
             runners = [_setup(name, shape, mode, q, k, v, dout) for name in contenders]
             bar.advance(task)
             times: dict[str, list[float]] = {r.contender: [] for r in runners}
+            hosts: dict[str, list[float]] = {r.contender: [] for r in runners}
             errors: dict[str, str] = {}
             for round_ in range(rounds):
                 bar.update(task, description=f"{shape.label} {mode}: round {round_ + 1}/{rounds}")
@@ -397,10 +415,11 @@ def _run_shape(shape: Shape, modes, contenders, rounds, warmup_ms, rep_ms, bar, 
                         continue
                     try:
                         times[runner.contender].append(runner.measure(warmup_ms, rep_ms))
+                        hosts[runner.contender].append(runner.host_ms(times[runner.contender][-1]))
                     except Exception as e:
                         errors[runner.contender] = _first_line(e)
                 bar.advance(task)
-            mode_rows = _rows(shape, mode, runners, times, errors)
+            mode_rows = _rows(shape, mode, runners, times, errors, hosts)
             for row in mode_rows:  # wall time of setup (compiles included) and all rounds
                 row["wall_s"] = time.perf_counter() - started
             rows += mode_rows
@@ -413,7 +432,7 @@ def _run_shape(shape: Shape, modes, contenders, rounds, warmup_ms, rep_ms, bar, 
 
 
 def _rows(shape: Shape, mode: str, runners: list[_Runner], times: dict[str, list[float]],
-          errors: dict[str, str]) -> list[dict]:
+          errors: dict[str, str], hosts: dict[str, list[float]] | None = None) -> list[dict]:
     outs = {r.contender: r.out for r in runners if r.out is not None}
     ref_name = "cudnn" if "cudnn" in outs else next(iter(outs), None)
     rows = []
@@ -431,6 +450,7 @@ def _rows(shape: Shape, mode: str, runners: list[_Runner], times: dict[str, list
             "time_ms": t, "times_ms": times[r.contender], "flops": f,
             "tflops": f / (t * 1e-3) / 1e12 if ok and t > 0 else None,
             "max_abs_diff": diff, "diff_against": ref_name if diff is not None else None,
+            "host_ms": statistics.median(hosts[r.contender]) if ok and hosts and hosts[r.contender] else None,
         })
     return rows
 
@@ -454,6 +474,15 @@ def ratio_rows(results: Iterable[dict], num: str = "fmha", den: str = "cudnn") -
         a, b = row["tflops"].get(num), row["tflops"].get(den)
         row["ratio"] = a / b if a and b else None
     return list(table.values())
+
+
+def host_bound_rows(results: Iterable[dict], fraction: float = 0.8) -> list[str]:
+    """One line per measured row whose host time per call (`host_ms`, the CPU time to enqueue
+    a call) is at least `fraction` of its measured time: there the host, not the GPU, set the
+    number, and the row says little about the kernels (a slow or busy host)."""
+    return [f"host-bound: {r['contender']} {r['mode']} {r['shape']}: {r['host_ms']:.3f} ms of host time a call, "
+            f"{r['time_ms']:.3f} ms measured"
+            for r in results if r.get("ok") and r.get("host_ms") and r["host_ms"] >= fraction * r["time_ms"]]
 
 
 def geomean(values: Iterable[float]) -> float | None:
@@ -505,7 +534,8 @@ def write_json(path: str | Path, results: list[dict], env: dict | None = None,
 
 
 CSV_FIELDS = ("shape", "dtype", "batch", "nhead_q", "nhead_k", "seqlen", "head_dim", "causal", "mode",
-              "contender", "ok", "time_ms", "tflops", "flops", "method", "max_abs_diff", "note", "error")
+              "contender", "ok", "time_ms", "host_ms", "tflops", "flops", "method", "max_abs_diff", "note",
+              "error")
 
 
 def write_csv(path: str | Path, results: list[dict]) -> None:
@@ -724,7 +754,7 @@ def _report(results: list[dict], env: dict, settings: dict, args: argparse.Names
             contenders: Sequence[str]) -> None:
     """Print the table, the n/a reasons and notes; write the files asked for."""
     console.print(render_table(results, contenders))
-    for line in na_reasons(results):
+    for line in na_reasons(results) + host_bound_rows(results):
         console.print(line)
     for r in results:
         if r["ok"] and r["note"]:
@@ -741,6 +771,6 @@ def _report(results: list[dict], env: dict, settings: dict, args: argparse.Names
 
 
 __all__ = ["Shape", "flops", "standard_suite", "quick_suite", "SUITES", "run_suite", "time_ms",
-           "ratio_rows", "geomean", "summary", "environment", "write_json", "write_csv", "plot",
-           "render_table", "na_reasons", "add_arguments", "shapes_from_args", "read_results", "command",
+           "ratio_rows", "host_bound_rows", "geomean", "summary", "environment", "write_json", "write_csv",
+           "plot", "render_table", "na_reasons", "add_arguments", "shapes_from_args", "read_results", "command",
            "CONTENDERS", "MODES", "DTYPES"]
