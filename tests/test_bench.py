@@ -256,8 +256,10 @@ def test_runner_host_time_is_the_enqueue_time_of_a_call(monkeypatch):
         calls.append(1)
         time.sleep(0.002)
 
-    runner = bench._Runner("fmha", [(1.0, slow_call), (-1.0, lambda: None)])
+    runner = bench._Runner("fmha", [(1.0, slow_call)])
     host = runner.host_ms(measured_ms=1.0)
     assert len(calls) == 5 and 2.0 <= host < 4.0, (calls, host)  # ~5 ms of GPU work at 1 ms a call
     calls.clear()
     assert runner.host_ms(measured_ms=100.0) >= 2.0 and len(calls) == 3  # at least 3 calls
+    calls.clear()  # fwd+bwd minus fwd: no single call to compare with
+    assert bench._Runner("fmha", [(1.0, slow_call), (-1.0, slow_call)]).host_ms(1.0) is None and not calls

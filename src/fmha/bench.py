@@ -255,11 +255,14 @@ class _Runner:
         return sum(sign * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
                    for sign, fn in self.parts)
 
-    def host_ms(self, measured_ms: float) -> float:
-        """CPU time to enqueue one call of the timed function (its first part), over a few
-        back-to-back calls without synchronizing: at or near `measured_ms`, the measurement
-        was bound by the host (Python, launches), not by the GPU. A few calls (~5 ms of GPU
-        work, 3-20 calls) keep the launch queue far from full, so the GPU does not slow them."""
+    def host_ms(self, measured_ms: float) -> float | None:
+        """CPU time to enqueue one call of the timed function, over a few back-to-back calls
+        without synchronizing: at or near `measured_ms`, the measurement was bound by the host
+        (Python, launches), not by the GPU. A few calls (~5 ms of GPU work, 3-20 calls) keep
+        the launch queue far from full, so the GPU does not slow them. None for a time made of
+        several parts (fwd+bwd minus fwd), which no one call's host time compares to."""
+        if len(self.parts) != 1:
+            return None
         fn = self.parts[0][1]
         calls = max(3, min(20, round(5.0 / max(measured_ms, 1e-3))))
         torch.cuda.synchronize()
@@ -415,7 +418,9 @@ def _run_shape(shape: Shape, modes, contenders, rounds, warmup_ms, rep_ms, bar, 
                         continue
                     try:
                         times[runner.contender].append(runner.measure(warmup_ms, rep_ms))
-                        hosts[runner.contender].append(runner.host_ms(times[runner.contender][-1]))
+                        host = runner.host_ms(times[runner.contender][-1])
+                        if host is not None:
+                            hosts[runner.contender].append(host)
                     except Exception as e:
                         errors[runner.contender] = _first_line(e)
                 bar.advance(task)
