@@ -422,6 +422,18 @@ def _load_stage(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem
 
 
 @gluon.jit
+def _ring_step(base, j, hq0, m_start, n_m, BLOCK_M: gl.constexpr, BUFS: gl.constexpr):
+    """(ring use, buffer, phase, query head, first query) of a key tile's iteration j, whose ring
+    use (and hand-over) is `base + j` of BUFS buffers (the compute tiles' and writers' loop head)."""
+    it = base + j
+    buf = it % BUFS
+    phase = (it // BUFS) & 1
+    h = hq0 + j // n_m
+    m0 = (m_start + j % n_m) * BLOCK_M
+    return it, buf, phase, h, m0
+
+
+@gluon.jit
 def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, STATS_TMA: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
@@ -473,6 +485,50 @@ def _ws_loader_persistent(args, kv_empty, CAUSAL: gl.constexpr, BLOCK_M: gl.cons
         it += total
 
 
+# The dQ writers' red.v4 path (without DQ_TMA; `_ws_dq_writer`): blocks of 8 rows x 32 fp32 columns.
+QUAD_ROWS = gl.constexpr(8)
+QUAD_COLS = gl.constexpr(32)
+
+
+@gluon.constexpr_function
+def _quad_layout():
+    """A QUAD_ROWS x QUAD_COLS fp32 block over 2 warps, 4 consecutive columns a thread."""
+    return gl.BlockedLayout([1, 4], [4, 8], [2, 1], [1, 0])
+
+
+@gluon.jit
+def _quad_offsets(stride_dqm):
+    """(the rows of a block, each element's offset from the block's first in dq_acc), computed
+    once per writer (`_quad_layout`)."""
+    gl.static_assert(gl.num_warps() == 2, "a block of 8 x 32 fp32 is one quad per thread of 2 warps")
+    layout: gl.constexpr = _quad_layout()
+    block_rows = gl.arange(0, QUAD_ROWS, layout=gl.SliceLayout(1, layout))
+    offsets = block_rows[:, None] * stride_dqm + gl.arange(0, QUAD_COLS, layout=gl.SliceLayout(0, layout))[None, :]
+    return block_rows, offsets
+
+
+@gluon.jit
+def _add_dq(dq_acc, bufs, b, h, m0, seqlen_q, stride_dqb, stride_dqh, stride_dqm, block_rows, offsets,
+            BLOCK_M: gl.constexpr, COLS: gl.constexpr, DQ_TMA: gl.constexpr):
+    """Adds a handed-over dQ tile to dq_acc: `bufs`, fp32 BLOCK_M x COLS buffers of consecutive
+    column ranges (the whole tile, or D=256's two halves). With DQ_TMA one TMA reduce-add a buffer,
+    waited for; else red.v4 blocks (block_rows, offsets: `_quad_offsets`), the buffers' blocks
+    interleaved."""
+    if DQ_TMA:
+        for i in gl.static_range(len(bufs)):
+            tma_reduce_add(dq_acc, [b, h, m0, i * COLS], bufs[i].reshape(dq_acc.block_type.shape))
+        tma.store_wait(0)
+    else:
+        layout: gl.constexpr = _quad_layout()
+        tile = dq_acc + b.to(gl.int64) * stride_dqb + h * stride_dqh + m0.to(gl.int64) * stride_dqm
+        for r in gl.static_range(0, BLOCK_M, QUAD_ROWS):
+            in_range = (m0 + r + block_rows < seqlen_q).to(gl.int32)[:, None]
+            for c in gl.static_range(0, COLS, QUAD_COLS):
+                for i in gl.static_range(len(bufs)):
+                    dq = bufs[i].slice(r, QUAD_ROWS, dim=0).slice(c, QUAD_COLS, dim=1).load(layout)
+                    _red_add_v4(tile + (r * stride_dqm + i * COLS + c) + offsets, dq, in_range)
+
+
 @gluon.jit
 def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_TMA: gl.constexpr):
@@ -517,30 +573,32 @@ def _ws_dq_writer_tile(args, b, hq0, m_start, n_m, base, BLOCK_M: gl.constexpr, 
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
-    ROWS: gl.constexpr = 8
-    COLS: gl.constexpr = 32
-    gl.static_assert(gl.num_warps() == 2, "a block of 8 x 32 fp32 is one quad per thread of 2 warps")
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [2, 1], [1, 0])
-    block_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    offsets = block_rows[:, None] * stride_dqm + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))[None, :]
+    block_rows, offsets = _quad_offsets(stride_dqm)
     for j in range(group * n_m):
-        it = base + j
-        buf = it % DQ_BUFS
-        h = hq0 + j // n_m
-        m0 = (m_start + j % n_m) * BLOCK_M
-        mbarrier.wait(dq_full.index(buf), (it // DQ_BUFS) & 1)
-        if DQ_TMA:
-            tma_reduce_add(dq_acc, [b, h, m0, 0], dq_smem.index(buf).reshape(dq_acc.block_type.shape))
-            tma.store_wait(0)
-        else:
-            tile = dq_acc + b.to(gl.int64) * stride_dqb + h * stride_dqh + m0.to(gl.int64) * stride_dqm
-            for r in gl.static_range(0, BLOCK_M, ROWS):
-                in_range = (m0 + r + block_rows < seqlen_q).to(gl.int32)[:, None]
-                for c in gl.static_range(0, HEAD_DIM, COLS):
-                    dq = dq_smem.index(buf).slice(r, ROWS, dim=0).slice(c, COLS, dim=1).load(layout)
-                    _red_add_v4(tile + (r * stride_dqm + c) + offsets, dq, in_range)
+        it, buf, phase, h, m0 = _ring_step(base, j, hq0, m_start, n_m, BLOCK_M, DQ_BUFS)
+        mbarrier.wait(dq_full.index(buf), phase)
+        _add_dq(dq_acc, (dq_smem.index(buf),), b, h, m0, seqlen_q, stride_dqb, stride_dqh, stride_dqm, block_rows,
+                offsets, BLOCK_M, HEAD_DIM, DQ_TMA)
         gl.thread_barrier()  # both warps have read the buffer (or waited for the copy engine)
         mbarrier.arrive(dq_empty.index(buf), count=1)
+
+
+@gluon.jit
+def _ws_tile_start(kv_bar, kv_phase, n0, BLOCK_N: gl.constexpr, S_COLS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr):
+    """The start of a compute tile: its keys (a column of the BLOCK_N x S_COLS S^T layout), zero
+    dK and dV, the zero accumulators of the S^T/dP^T and the DQ_ROWS x DQ_COLS dQ products; then
+    the wait for the tile's K and V (phase kv_phase of kv_bar)."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    st_layout: gl.constexpr = acc_layout(BLOCK_N, S_COLS, NUM_WARPS)  # S^T, dP^T: keys x queries
+    kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, NUM_WARPS)  # dK, dV
+    keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    st_zero = gl.zeros([BLOCK_N, S_COLS], gl.float32, st_layout)
+    dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, acc_layout(DQ_ROWS, DQ_COLS, NUM_WARPS))
+    mbarrier.wait(kv_bar, kv_phase)
+    return keys, dk, dv, st_zero, dq_zero
 
 
 @gluon.jit
@@ -562,6 +620,29 @@ def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.c
 
 
 @gluon.jit
+def _ws_probs(args, lse_strides, qk_scale, st_zero, keys, b, n0, stage, phase, h, m0, CAUSAL: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STATS_TMA: gl.constexpr):
+    """The head of a 64-query iteration (`_ws_compute_tile`, `_ws_compute_d256_tile`): waits for
+    the stage's Q and dO, issues S^T = K Q^T and dP^T = V dO^T, forms P^T. Returns (Q tile, dO
+    tile, queries, P^T, dP^T still in flight)."""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+    stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
+    st_layout: gl.constexpr = acc_layout(BLOCK_N, BLOCK_M, gl.num_warps())  # S^T, dP^T: keys x queries
+    q_tile = q_smem.index(stage)
+    do_tile = do_smem.index(stage)
+    mbarrier.wait(ready.index(stage), phase)
+    st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+    queries = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    lse2 = _lse_row(lse, lse_smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q, stride_lb, stride_lh,
+                    stride_lm, st_layout, STATS_TMA, BLOCK_M)
+    pt = _probs(st, lse2, keys, queries, n0, m0, seqlen_k, diag, qk_scale, CAUSAL, BLOCK_N)
+    return q_tile, do_tile, queries, pt, dpt
+
+
+@gluon.jit
 def _ws_compute_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, base, kv_phase, CAUSAL: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                      STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
@@ -576,32 +657,13 @@ def _ws_compute_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 
     NUM_WARPS: gl.constexpr = gl.num_warps()
     st_layout: gl.constexpr = acc_layout(BLOCK_N, BLOCK_M, NUM_WARPS)  # S^T, dP^T: keys x queries
     kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, NUM_WARPS)  # dK, dV
-    dq_layout: gl.constexpr = acc_layout(BLOCK_M, DQ_COLS, NUM_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
-
-    keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-    mbarrier.wait(kv_bar, kv_phase)
+    keys, dk, dv, st_zero, dq_zero = _ws_tile_start(kv_bar, kv_phase, n0, BLOCK_N, BLOCK_M, HEAD_DIM, BLOCK_M,
+                                                    DQ_COLS)
     for j in range(group * n_m):
-        it = base + j
-        stage = it % STAGES
-        phase = (it // STAGES) & 1
-        h = hq0 + j // n_m
-        m0 = (m_start + j % n_m) * BLOCK_M
-        q_tile = q_smem.index(stage)
-        do_tile = do_smem.index(stage)
-        mbarrier.wait(ready.index(stage), phase)
-        st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-        lse2 = _lse_row(lse, lse_smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q, stride_lb, stride_lh,
-                        stride_lm, st_layout, STATS_TMA, BLOCK_M)
-        pt = _probs(st, lse2, keys, queries, n0, m0, seqlen_k, diag, qk_scale, CAUSAL, BLOCK_N)
+        it, stage, phase, h, m0 = _ring_step(base, j, hq0, m_start, n_m, BLOCK_M, STAGES)
+        q_tile, do_tile, queries, pt, dpt = _ws_probs(args, lse_strides, qk_scale, st_zero, keys, b, n0, stage, phase,
+                                                      h, m0, CAUSAL, BLOCK_M, BLOCK_N, STATS_TMA)
         # delta after P: its registers are not held while S^T is awaited.
         delta_row = _delta_row(delta, delta_smem, stage, b, h, queries, seqlen_q, stride_deb, stride_deh,
                                stride_dem, st_layout, STATS_TMA)
@@ -699,23 +761,12 @@ def _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, 
     NUM_WARPS: gl.constexpr = gl.num_warps()
     st_layout: gl.constexpr = acc_layout(BLOCK_N, HALF, NUM_WARPS)  # S^T, dP^T of a half: keys x queries
     kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, NUM_WARPS)  # dK, dV
-    dq_layout: gl.constexpr = acc_layout(BLOCK_M, HEAD_DIM, NUM_WARPS)  # 64 queries a warpgroup
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
-
-    keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    st_zero = gl.zeros([BLOCK_N, HALF], gl.float32, st_layout)
-    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-    mbarrier.wait(kv_bar, kv_phase)
+    # S^T of a half; dQ of all BLOCK_M queries in one product (64 a warpgroup)
+    keys, dk, dv, st_zero, dq_zero = _ws_tile_start(kv_bar, kv_phase, n0, BLOCK_N, HALF, HEAD_DIM, BLOCK_M, HEAD_DIM)
     for j in range(group * n_m):
-        it = base + j
-        stage = it % STAGES
-        phase = (it // STAGES) & 1
-        h = hq0 + j // n_m
-        m0 = (m_start + j % n_m) * BLOCK_M
+        it, stage, phase, h, m0 = _ring_step(base, j, hq0, m_start, n_m, BLOCK_M, STAGES)
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
         mbarrier.wait(ready.index(stage), phase)
@@ -873,33 +924,14 @@ def _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m
     NUM_WARPS: gl.constexpr = gl.num_warps()
     st_layout: gl.constexpr = acc_layout(BLOCK_N, BLOCK_M, NUM_WARPS)  # S^T, dP^T: keys x queries
     kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, NUM_WARPS)  # dK, dV
-    dq_layout: gl.constexpr = acc_layout(BLOCK_M, DQ_COLS, NUM_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
     dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
-
-    keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-    mbarrier.wait(kv_bar, kv_phase)
+    keys, dk, dv, st_zero, dq_zero = _ws_tile_start(kv_bar, kv_phase, n0, BLOCK_N, BLOCK_M, HEAD_DIM, BLOCK_M,
+                                                    DQ_COLS)
     for j in range(group * n_m):
-        it = base + j
-        stage = it % STAGES
-        phase = (it // STAGES) & 1
-        h = hq0 + j // n_m
-        m0 = (m_start + j % n_m) * BLOCK_M
-        q_tile = q_smem.index(stage)
-        do_tile = do_smem.index(stage)
-        mbarrier.wait(ready.index(stage), phase)
-        st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-        lse2 = _lse_row(lse, lse_smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q, stride_lb, stride_lh,
-                        stride_lm, st_layout, STATS_TMA, BLOCK_M)
-        pt = _probs(st, lse2, keys, queries, n0, m0, seqlen_k, diag, qk_scale, CAUSAL, BLOCK_N)
+        it, stage, phase, h, m0 = _ring_step(base, j, hq0, m_start, n_m, BLOCK_M, STAGES)
+        q_tile, do_tile, queries, pt, dpt = _ws_probs(args, lse_strides, qk_scale, st_zero, keys, b, n0, stage, phase,
+                                                      h, m0, CAUSAL, BLOCK_M, BLOCK_N, STATS_TMA)
         if PS_SMEM:
             p_smem.store(pt.to(dtype))  # (dP^T still on the tensor cores)
         delta_row = _delta_row(delta, delta_smem, stage, b, h, queries, seqlen_q, stride_deb, stride_deh,
@@ -965,34 +997,16 @@ def _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, base, BLOCK_M: gl.const
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
-    ROWS: gl.constexpr = 8
-    COLS: gl.constexpr = 32
-    gl.static_assert(gl.num_warps() == 2, "a block of 8 x 32 fp32 is one quad per thread of 2 warps")
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [2, 1], [1, 0])
     dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
-    block_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    offsets = block_rows[:, None] * stride_dqm + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))[None, :]
+    block_rows, offsets = _quad_offsets(stride_dqm)
     for j in range(group * n_m):
-        it = base + j
-        stage = it % STAGES
-        h = hq0 + j // n_m
-        m0 = (m_start + j % n_m) * BLOCK_M
-        mbarrier.wait(dq_full.index(stage), (it // STAGES) & 1)
+        it, stage, phase, h, m0 = _ring_step(base, j, hq0, m_start, n_m, BLOCK_M, STAGES)
+        mbarrier.wait(dq_full.index(stage), phase)
         dq_half0 = q_smem.index(stage)._reinterpret(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout)
         dq_half1 = do_smem.index(stage)._reinterpret(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout)
-        if DQ_TMA:
-            tma_reduce_add(dq_acc, [b, h, m0, 0], dq_half0.reshape(dq_acc.block_type.shape))
-            tma_reduce_add(dq_acc, [b, h, m0, DQ_COLS], dq_half1.reshape(dq_acc.block_type.shape))
-            tma.store_wait(0)
-        else:
-            tile = dq_acc + b.to(gl.int64) * stride_dqb + h * stride_dqh + m0.to(gl.int64) * stride_dqm
-            for r in gl.static_range(0, BLOCK_M, ROWS):
-                in_range = (m0 + r + block_rows < seqlen_q).to(gl.int32)[:, None]
-                for c in gl.static_range(0, DQ_COLS, COLS):
-                    dq = dq_half0.slice(r, ROWS, dim=0).slice(c, COLS, dim=1).load(layout)
-                    _red_add_v4(tile + (r * stride_dqm + c) + offsets, dq, in_range)
-                    dq = dq_half1.slice(r, ROWS, dim=0).slice(c, COLS, dim=1).load(layout)
-                    _red_add_v4(tile + (r * stride_dqm + DQ_COLS + c) + offsets, dq, in_range)
+        _add_dq(dq_acc, (dq_half0, dq_half1), b, h, m0, seqlen_q, stride_dqb, stride_dqh, stride_dqm, block_rows,
+                offsets, BLOCK_M, DQ_COLS, DQ_TMA)
+        if not DQ_TMA:
             fence_async_shared()  # these generic reads before the loader's TMA refill of the stage
         gl.thread_barrier()  # both warps have read the stage (or waited for the copy engine)
         mbarrier.arrive(empty.index(stage), count=1)
