@@ -325,8 +325,8 @@ def _persistent_launches(monkeypatch, programs=None, tile_order=None):
     return seen
 
 
-def _check_persistent_grid(seen, programs):
-    assert seen, "no persistent Gluon forward launch"
+def _check_persistent_grid(seen, programs, kernel="Gluon forward"):
+    assert seen, f"no persistent {kernel} launch"
     sms = programs or torch.cuda.get_device_properties(0).multi_processor_count
     for grid, tiles in seen:
         assert grid == min(tiles, sms), (grid, tiles, sms)
@@ -516,8 +516,8 @@ def _persistent_bwd_dispatcher():
 
 def _persistent_bwd_launches(monkeypatch, programs=None, tile_order=None):
     """Spy on bwd_gluon.launch_dkdv (at most `programs` SMs; causal key-tile order `tile_order`
-    through SHAPES, None: bwd_gluon.DEFAULT_TILE_ORDER); returns the list the persistent
-    launches' (grid, number of key tiles) are appended to."""
+    through SHAPES, None: SHAPES' own per head dim, else bwd_gluon.DEFAULT_TILE_ORDER); returns
+    the list the persistent launches' (grid, number of key tiles) are appended to."""
     from fmha.kernels import bwd_gluon, launch_cache, loader
 
     seen = []
@@ -525,11 +525,13 @@ def _persistent_bwd_launches(monkeypatch, programs=None, tile_order=None):
     if tile_order is not None:
         for head_dim in (64, 128, 256):
             _change_bwd_shape(monkeypatch, "gluon_ws", head_dim, {"tile_order": tile_order})
-    order = bwd_gluon.DEFAULT_TILE_ORDER if tile_order is None else tile_order
+    orders = {d: shape.get("tile_order", bwd_gluon.DEFAULT_TILE_ORDER)
+              for d, shape in bwd_gluon.SHAPES["gluon_ws"].items()}  # (D=64: heads)
 
     def launch_dkdv(q, k, *args, **kwargs):
         assert kwargs["persistent"] is True and kwargs["warp_specialized"] is True, kwargs
         tiles = -(-k.shape[2] // kwargs["block_n"]) * k.shape[0] * k.shape[1]
+        order = orders[q.shape[3]]
 
         def record(kernel, grid, *a, **kw):
             assert kernel is bwd_gluon.bwd_dkdv_ws_kernel and kw["PERSISTENT"] is True
@@ -566,10 +568,7 @@ def _check_persistent_backward(rng, monkeypatch, programs, head_dim, mask, shape
         tile = {64: "m128n128w8s2", 128: "m64n128w8s3", 256: "m64n64w8s2"}[head_dim]  # the registry's tiles
         assert f"sm90_gluon_ws_{tile}_persistent" in line, line
         check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
-    assert seen, "no persistent dK/dV launch"
-    sms = programs or torch.cuda.get_device_properties(0).multi_processor_count
-    for grid, tiles in seen:
-        assert grid == min(tiles, sms), (grid, tiles, sms)
+    _check_persistent_grid(seen, programs, "dK/dV")
 
 
 @pytest.mark.parametrize("programs", [5, 7], ids=lambda p: f"{p}_programs")
