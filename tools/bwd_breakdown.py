@@ -10,7 +10,6 @@ sum, the wall time per call with the GPU kept busy (do_bench median) and the hos
 """
 
 import sys
-import time
 from collections import defaultdict
 
 import torch
@@ -19,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 import fmha
+from fmha.bench import host_ms_per_call
 
 
 def backward_call(name, q, k, v, do, causal):
@@ -46,15 +46,9 @@ def kernels_per_call(fn, iters):
 
 
 def host_us(fn, iters):
-    """CPU time to enqueue one call, the GPU queue kept non-empty (so no call waits)."""
+    """CPU time to enqueue one call (fmha.bench.host_ms_per_call), after a warm call."""
     fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / iters * 1e6
+    return host_ms_per_call(fn, iters) * 1e3
 
 
 def main() -> int:

@@ -263,15 +263,20 @@ class _Runner:
         several parts (fwd+bwd minus fwd), which no one call's host time compares to."""
         if len(self.parts) != 1:
             return None
-        fn = self.parts[0][1]
-        calls = max(3, min(20, round(5.0 / max(measured_ms, 1e-3))))
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host = (time.perf_counter() - start) / calls * 1e3
-        torch.cuda.synchronize()
-        return host
+        return host_ms_per_call(self.parts[0][1], calls=max(3, min(20, round(5.0 / max(measured_ms, 1e-3)))))
+
+
+def host_ms_per_call(fn: Callable[[], Any], calls: int) -> float:
+    """CPU time (ms) to enqueue one call of `fn`: `calls` calls back to back, timed without
+    synchronizing (the GPU drained before and after). With few enough calls that the launch
+    queue does not fill, no call waits for the GPU, so this is the host path alone."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    return host
 
 
 def _expand_kv(shape: Shape, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -775,7 +780,7 @@ def _report(results: list[dict], env: dict, settings: dict, args: argparse.Names
         console.print(f"wrote {args.plot}")
 
 
-__all__ = ["Shape", "flops", "standard_suite", "quick_suite", "SUITES", "run_suite", "time_ms",
-           "ratio_rows", "host_bound_rows", "geomean", "summary", "environment", "write_json", "write_csv",
-           "plot", "render_table", "na_reasons", "add_arguments", "shapes_from_args", "read_results", "command",
-           "CONTENDERS", "MODES", "DTYPES"]
+__all__ = ["Shape", "flops", "standard_suite", "quick_suite", "SUITES", "run_suite", "time_ms", "ratio_rows",
+           "host_bound_rows", "host_ms_per_call", "geomean", "summary", "environment", "write_json",
+           "write_csv", "plot", "render_table", "na_reasons", "add_arguments", "shapes_from_args",
+           "read_results", "command", "CONTENDERS", "MODES", "DTYPES"]
