@@ -19,23 +19,12 @@ kernel has it): after a tile without iterations a warp may find kv_bar two phase
 import random
 import sys
 
-
-class Bar:
-    def __init__(self, count):
-        self.count, self.pending, self.done = count, count, 0
-
-    def arrive(self):
-        self.pending -= 1
-        if self.pending == 0:
-            self.done += 1
-            self.pending = self.count
-
-    def ok(self, parity):  # try_wait.parity: the phase of this parity has completed
-        return (self.done & 1) != parity
+from persistent_protocol_sim import Bar, Machine  # (this folder: the forward's simulation)
 
 
 def run(tiles, warps, stages, dq_bufs, alias, kv_barrier, seed):
-    rng = random.Random(seed)
+    machine = Machine(seed)
+    check, load = machine.check, machine.load
     kv_bar, kv_empty = Bar(1), Bar(1)
     ready, empty = [Bar(1) for _ in range(stages)], [Bar(1) for _ in range(stages)]
     dq_full, dq_empty = [Bar(1) for _ in range(dq_bufs)], [Bar(1) for _ in range(dq_bufs)]
@@ -43,16 +32,6 @@ def run(tiles, warps, stages, dq_bufs, alias, kv_barrier, seed):
         dq_full = [Bar(1) for _ in range(stages)]
     cta = Bar(warps)  # gl.thread_barrier of the compute partition
     kv, ring, dq = [None], [None] * stages, [None] * dq_bufs
-    events = []  # TMA loads in flight: (barrier, buffer, index, what lands)
-    errors = []
-
-    def check(buf, i, tag, what):
-        if buf[i] != tag:
-            errors.append(f"{what}[{i}] holds {buf[i]}, expected {tag}")
-
-    def load(bar, buf, i, tag):
-        buf[i] = "writing"
-        events.append((bar, buf, i, tag))
 
     def loader():
         it = 0
@@ -138,27 +117,7 @@ def run(tiles, warps, stages, dq_bufs, alias, kv_barrier, seed):
                 dq_empty[b].arrive()
             it += n
 
-    actors = {"L": loader(), "W": writer(), **{f"C{w}": compute(w) for w in range(warps)}}
-    blocked = dict.fromkeys(actors)
-    steps = 0
-    while actors:
-        steps += 1
-        runnable = [a for a in actors if blocked[a] is None or blocked[a][1].ok(blocked[a][2])]
-        choices = runnable + (["event"] if events else [])
-        if not choices:
-            return f"DEADLOCK after {steps} steps, blocked: {sorted(blocked)}"
-        c = rng.choice(choices)
-        if c == "event":
-            bar, buf, i, tag = events.pop(rng.randrange(len(events)))
-            buf[i] = tag
-            bar.arrive()
-            continue
-        try:
-            op = next(actors[c])
-            blocked[c] = op if op[0] == "wait" else None
-        except StopIteration:
-            del actors[c], blocked[c]
-    return errors[0] if errors else None
+    return machine.interleave({"L": loader(), "W": writer(), **{f"C{w}": compute(w) for w in range(warps)}})
 
 
 def main():

@@ -27,24 +27,57 @@ class Bar:
         return (self.done & 1) != parity
 
 
+class Machine:
+    """What the actors of one case share: TMA loads in flight, the errors seen, and the random
+    interleaving (also used by tools/bwd_persistent_protocol_sim.py)."""
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+        self.events = []  # TMA loads in flight: (barrier, buffer, index, what lands)
+        self.errors = []
+
+    def check(self, buf, i, tag, what):
+        if buf[i] != tag:
+            self.errors.append(f"{what}[{i}] holds {buf[i]}, expected {tag}")
+
+    def load(self, bar, buf, i, tag):
+        buf[i] = "writing"
+        self.events.append((bar, buf, i, tag))
+
+    def interleave(self, actors):
+        """Run the actors (coroutines yielding ("wait", barrier, parity) or ("step",)) and the
+        landing of the loads in a random order: the first error, a deadlock, or None."""
+        blocked = dict.fromkeys(actors)
+        steps = 0
+        while actors:
+            steps += 1
+            runnable = [a for a in actors if blocked[a] is None or blocked[a][1].ok(blocked[a][2])]
+            choices = runnable + (["event"] if self.events else [])
+            if not choices:
+                return f"DEADLOCK after {steps} steps, blocked: {sorted(blocked)}"
+            c = self.rng.choice(choices)
+            if c == "event":
+                bar, buf, i, tag = self.events.pop(self.rng.randrange(len(self.events)))
+                buf[i] = tag
+                bar.arrive()
+                continue
+            try:
+                op = next(actors[c])
+                blocked[c] = op if op[0] == "wait" else None
+            except StopIteration:
+                del actors[c], blocked[c]
+        return self.errors[0] if self.errors else None
+
+
 def run(tiles, num_wg, stages, pingpong, o_buf, seed):
-    rng = random.Random(seed)
+    machine = Machine(seed)
+    check, load = machine.check, machine.load
     k_ready, v_ready = [Bar(1) for _ in range(stages)], [Bar(1) for _ in range(stages)]
     k_empty, v_empty = [Bar(num_wg) for _ in range(stages)], [Bar(num_wg) for _ in range(stages)]
     q_bar, q_empty = [Bar(1) for _ in range(num_wg)], [Bar(1) for _ in range(num_wg)]
     turn = [Bar(1) for _ in range(num_wg)]
     turn[0].arrive()
     kbuf, vbuf, qbuf = [None] * stages, [None] * stages, [None] * num_wg
-    events = []  # TMA loads in flight: (barrier, buffer, index, what lands)
-    errors = []
-
-    def check(buf, i, tag, what):
-        if buf[i] != tag:
-            errors.append(f"{what}[{i}] holds {buf[i]}, expected {tag}")
-
-    def load(bar, buf, i, tag):
-        buf[i] = "writing"
-        events.append((bar, buf, i, tag))
 
     def producer():
         it = 0
@@ -116,27 +149,7 @@ def run(tiles, num_wg, stages, pingpong, o_buf, seed):
                 q_empty[wg].arrive()
             it += n
 
-    actors = {"P": producer(), **{f"C{w}": consumer(w) for w in range(num_wg)}}
-    blocked = dict.fromkeys(actors)
-    steps = 0
-    while actors:
-        steps += 1
-        runnable = [a for a in actors if blocked[a] is None or blocked[a][1].ok(blocked[a][2])]
-        choices = runnable + (["event"] if events else [])
-        if not choices:
-            return f"DEADLOCK after {steps} steps"
-        c = rng.choice(choices)
-        if c == "event":
-            bar, buf, i, tag = events.pop(rng.randrange(len(events)))
-            buf[i] = tag
-            bar.arrive()
-            continue
-        try:
-            op = next(actors[c])
-            blocked[c] = op if op[0] == "wait" else None
-        except StopIteration:
-            del actors[c], blocked[c]
-    return errors[0] if errors else None
+    return machine.interleave({"P": producer(), **{f"C{w}": consumer(w) for w in range(num_wg)}})
 
 
 def main():
