@@ -3,15 +3,21 @@
 The launches are replaced by no-ops, so this is what the API, validation, the plan caches
 and torch's custom-op dispatch cost per call: the floor under small problems and decode.
 
-Dense: `fmha.attention`. Decode: `fmha.attention_with_kvcache` at the decode bench's
-32k shape (B=8 Hq=32 Hk=8 D=128 bf16, Sq=1, pages of 64), through a block table and
-through FlashInfer/SGLang tables, with the split count picked (num_splits=0) and forced.
+Dense: `fmha.attention`, on the CPU tensors' own path (Triton configs for arch "cpu", the
+launchers stubbed whole) and on the path of CUDA tensors on an H200 ("H200 path" lines:
+dispatch for sm90, so the Gluon forward and dK/dV and the Triton dot(dO, O) and dQ convert,
+with their launchers' host work: descriptors, kernel specs, `launch_cache` keys; every
+`launch_cache` lookup hits a stand-in compiled kernel whose launch does nothing).
+
+Decode: `fmha.attention_with_kvcache` at the decode bench's 32k shape (B=8 Hq=32 Hk=8
+D=128 bf16, Sq=1, pages of 64), through a block table and through FlashInfer/SGLang tables,
+with the split count picked (num_splits=0) and forced.
 The decode calls take the path of CUDA tensors on an H200: dispatch for sm90 with 132
 SMs (so num_splits=0 picks 4 splits and the combine kernel runs) and no host-side checks
 of index values (CUDA tensors skip them outside debug mode). Device ops on CPU tensors are
 cheaper than CUDA launches, so a path that runs extra device ops costs more on a GPU.
 
-    PYTHONPATH=src python tools/host_overhead.py [--calls N] [--decode-only]
+    PYTHONPATH=src python tools/host_overhead.py [--calls N] [--decode-only] [--dense-only]
 """
 
 import sys
@@ -22,6 +28,9 @@ import torch
 
 import fmha
 from fmha import api, kvcache
+from fmha.kernels import bwd_gluon, fwd_gluon, launch_cache, loader
+
+_REAL_LAUNCHERS = (api._launch_forward, api._launch_dkdv)
 
 
 def per_call_us(fn, calls: int, repeats: int = 5) -> float:
@@ -37,17 +46,48 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
     return best
 
 
-def dense_cases() -> dict:
+def stub_dense_launches_cpu() -> None:
+    """CPU tensors' own path, every launcher a no-op."""
     api._launch_forward = lambda *a, **k: None  # time the host path only
     api._launch_dkdv = lambda *a, **k: None
     no_launch = types.SimpleNamespace(**{name: (lambda *a, **k: None) for name in (
         "launch_dot_do_o", "launch_delta", "launch_dkdv", "launch_dq", "launch_convert_dq")})
     api.family_module = lambda name, interpreted=False: no_launch
+    api._PREPARED.clear()  # (cached Problems carry the arch)
+
+
+class _AlwaysHit(dict):
+    """launch_cache's table, answering every key with a compiled kernel that launches nothing."""
+
+    def get(self, key, default=None):
+        compiled = types.SimpleNamespace(run=lambda *a: None, function=None, packed_metadata=None,
+                                         launch_metadata=lambda grid, stream, *args: None)
+        return (compiled, (), None)
+
+
+def stub_dense_launches_h200() -> None:
+    """CUDA tensors' path on an H200 (sm90, 132 SMs): the real launchers (compiled modules)
+    up to the launch, which `launch_cache` turns into a no-op."""
+    api._launch_forward, api._launch_dkdv = _REAL_LAUNCHERS
+    api._arch_of = lambda device: "sm90"
+    api.family_module = lambda name, interpreted=False: loader.family_module(name, interpreted=False)
+    launch_cache._CACHE = _AlwaysHit()
+    launch_cache.driver = types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: 0))
+    torch.cuda.current_device = lambda: 0  # (CUDA tensors name their device; CPU ones do not)
+    fwd_gluon._sm_count = bwd_gluon._sm_count = lambda device: 132
+    api._PREPARED.clear()
+
+
+def dense_cases(h200: bool = False) -> dict:
+    """The dense calls; h200: on the path of CUDA tensors on an H200 (stub_dense_launches_h200)."""
+    (stub_dense_launches_h200 if h200 else stub_dense_launches_cpu)()
+    suffix = " (H200 path)" if h200 else ""
     q = torch.randn(1, 4, 16, 64, dtype=torch.bfloat16)
     leaf = q.clone().requires_grad_()
     out = fmha.attention(leaf, leaf, leaf, causal=True)
     grad = torch.randn_like(out)
-    return {
+    cases = {
         "attention(q, k, v, causal=True)": lambda: fmha.attention(q, q, q, causal=True),
         "attention(..., return_lse=True, layout='bshd')": lambda: fmha.attention(
             q, q, q, causal=True, return_lse=True, layout="bshd"),
@@ -56,6 +96,9 @@ def dense_cases() -> dict:
         "backward of it (autograd.grad, retained graph)": lambda: torch.autograd.grad(
             out, leaf, grad, retain_graph=True),
     }
+    if h200:  # (the bshd call is the same host path)
+        del cases["attention(..., return_lse=True, layout='bshd')"]
+    return {name + suffix: fn for name, fn in cases.items()}
 
 
 def stub_decode_launches(launches: list | None = None) -> None:
@@ -102,10 +145,14 @@ def decode_cases() -> dict:
 
 def main() -> int:
     calls = int(sys.argv[sys.argv.index("--calls") + 1]) if "--calls" in sys.argv else 3000
-    cases = {} if "--decode-only" in sys.argv else dense_cases()
-    cases.update(decode_cases())
-    for name, fn in cases.items():
-        print(f"{name:<55} {per_call_us(fn, max(1, calls // 5)):7.1f} us/call")
+    groups = []  # each group installs its stubs when built: built and timed one after another
+    if "--decode-only" not in sys.argv:
+        groups += [dense_cases, lambda: dense_cases(h200=True)]
+    if "--dense-only" not in sys.argv:
+        groups.append(decode_cases)
+    for group in groups:
+        for name, fn in group().items():
+            print(f"{name:<67} {per_call_us(fn, max(1, calls // 5)):7.1f} us/call")
     return 0
 
 
