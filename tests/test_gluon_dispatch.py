@@ -291,6 +291,33 @@ def test_tma_alignment_detection():
     assert api.problem_of(q, q, q).tma_aligned
 
 
+def _tma_aligned_by_definition(t) -> bool:
+    """tma_aligned's rule, written plainly (its implementation is tuned for the launch path)."""
+    size = t.element_size()
+    if t.stride(-1) != 1 or (t.device.type != "meta" and t.data_ptr() % 16):
+        return False
+    return all((stride * size) % 16 == 0 and not (extent > 1 and stride <= 0)
+               for extent, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_tma_alignment_rule_on_views(dtype):
+    from fmha.kernels.gluon_common import tma_aligned
+
+    base = torch.randn(8192).to(dtype)
+    for offset in (0, 1, 2, 4, 8, 16):
+        for shape in [(2, 3, 5, 8), (1, 4, 16, 64), (2, 2, 4, 3), (3, 1, 7, 16), (1, 1, 1, 1), (5,), (2, 8), (1, 16)]:
+            t = base[offset:offset + torch.Size(shape).numel()].view(shape)
+            views = [t, t[..., :1], torch.empty(shape, dtype=dtype, device="meta"), t.unsqueeze(0).expand(3, *shape)]
+            if len(shape) >= 2:
+                views += [t.transpose(0, 1), t.transpose(-1, -2)]
+            if shape[0] == 1:
+                views.append(t.expand(2, *shape[1:]))
+            for view in views:
+                assert tma_aligned(view) == _tma_aligned_by_definition(view), (offset, shape, view.stride())
+            assert tma_aligned(t, views[1]) == (_tma_aligned_by_definition(t) and _tma_aligned_by_definition(views[1]))
+
+
 def _built_for_sm90(config, tmp_path, monkeypatch, dtype="bf16"):
     """The kernels of `config` compiled ahead of time for sm90 (Triton's ptxas, no GPU),
     each within the shared-memory limit."""

@@ -1,11 +1,18 @@
 """The host path of a call: plain eager calls that autograd does not need skip torch's
 custom-op dispatch (api._direct); every other call still goes through the registered op."""
 
+import inspect
+
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fmha
 from fmha import api
+from fmha.configs import Family
+from fmha.dispatcher import Dispatcher
+from fmha.problem import DType, Problem
+from fmha.registry import default_registry
 
 from attn_testing import make_qkv
 
@@ -82,3 +89,109 @@ def test_torch_compile_of_an_inference_call_keeps_the_op_in_the_graph(rng):
     compiled = torch.compile(lambda q, k, v: fmha.attention(q, k, v, causal=True), backend=backend, fullgraph=True)
     assert torch.allclose(compiled(q, k, v), fmha.attention(q, k, v, causal=True))
     assert any("fmha.fwd" in target for target in seen), seen
+
+
+def test_op_arguments_reach_prepare_in_its_own_order():
+    """_prepare_op passes an op's flattened arguments positionally."""
+    assert tuple(inspect.signature(api._prepare).parameters)[3:] == api._OP_ARGS
+    assert tuple(inspect.signature(api._fwd_op._init_fn).parameters)[3:] == api._OP_ARGS
+
+
+def _grads(fn, leaves, do, dlse, kw):
+    o, lse = fn(*leaves, **kw)
+    return (o, lse, *torch.autograd.grad((o, lse), leaves, (do, dlse)))
+
+
+@pytest.mark.parametrize("case", ["bshd_views", "column_major_v", "gqa_dbias_dsinks", "varlen"])
+def test_eager_backward_reuses_the_forward_and_matches_the_op(rng, case):
+    """The eager backward takes the forward's Problem from its context instead of validating
+    again, allocates the gradients with *_like and skips the unwanted placeholders: the same
+    values, shapes and strides as the backward of the registered op (which prepares again),
+    bit for bit, for strided and column-major inputs, GQA with dbias/dsinks, and varlen."""
+    B, H, Hk, S, D = 2, 4, 2, 12, 16
+    extra, names = {}, ["q", "k", "v"]
+    if case == "varlen":
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        q, k, v = (torch.randn(12, h, D, generator=rng) for h in (H, Hk, Hk))
+        extra = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7)
+        layout = "bhsd"
+    else:
+        layout = "bshd" if case == "bshd_views" else "bhsd"
+        q = torch.randn(B, H, S, D, generator=rng)
+        k, v = (torch.randn(B, Hk, S, D, generator=rng) for _ in range(2))
+        if case == "bshd_views":  # transposed (non-contiguous) views in the bshd layout
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        elif case == "column_major_v":
+            v = v.transpose(-1, -2).contiguous().transpose(-1, -2)
+        else:
+            extra = dict(bias=torch.randn(1, H, S, S, generator=rng), sinks=torch.randn(H, generator=rng))
+            names += ["bias", "sinks"]
+    scalars = dict(max_seqlen_q=extra.pop("max_seqlen_q", 0), max_seqlen_k=extra.pop("max_seqlen_k", 0),
+                   layout=layout, scale=None, causal=True, window_left=-1, window_right=0,
+                   mask_align="bottom_right", sink_size=0, softcap=0.0, dropout_p=0.0, seed=0, offset=0,
+                   deterministic=False)
+    inputs = dict(q=q, k=k, v=v, bias=None, alibi_slopes=None, sinks=None, cu_seqlens_q=None,
+                  cu_seqlens_k=None, seqused_k=None, **scalars)
+    inputs.update(extra)
+
+    def call(fn, leaves):
+        args = {**inputs, **dict(zip(names, leaves, strict=True))}
+        return fn(*(args[n] for n in ("q", "k", "v", *api._OP_ARGS)))
+
+    o, lse = call(api._fwd_op, [inputs[n] for n in names])
+    do, dlse = torch.randn(o.shape, generator=rng), torch.randn(lse.shape, generator=rng)
+    results = []
+    for fn in (api._EagerAttention.apply, api._fwd_op):
+        leaves = [inputs[n].detach().clone().requires_grad_() for n in names]
+        if case == "bshd_views":  # keep the transposed strides
+            leaves = [inputs[n].detach().transpose(1, 2).clone().transpose(1, 2).requires_grad_() for n in names]
+        o, lse = call(fn, leaves)
+        results.append((o, lse, *torch.autograd.grad((o, lse), leaves, (do, dlse))))
+    assert type(results[0][0].grad_fn).__name__ == "_EagerAttentionBackward"
+    assert results[0][0].grad_fn.fmha_forward[0].varlen == (case == "varlen")  # (the kept Problem)
+    for eager, op in zip(*results, strict=True):
+        assert torch.equal(eager, op) and eager.stride() == op.stride() and eager.dtype == op.dtype
+    for grad, leaf in zip(results[0][2:], names, strict=True):
+        assert grad.shape == inputs[leaf].shape and grad.is_contiguous()
+
+
+def test_backward_launches_are_cached_per_problem_and_follow_the_dispatcher():
+    problem = Problem(batch=1, nhead_q=2, nhead_k=2, seqlen_q=8, seqlen_k=8, head_dim_qk=16, head_dim_v=16,
+                      dtype=DType.FP32)
+    first = api._backward_launches(problem, False)
+    assert api._backward_launches(problem, False) is first
+    plan = api.get_dispatcher().plan_backward(problem)
+    assert first.stage1 == api._algo(plan.config(Family.BWD_DOT_DO_O)) and first.dq is None
+    assert first.dkdv == plan.config(Family.BWD_DQ_DK_DV)
+    assert first.convert == api._algo(plan.config(Family.BWD_CONVERT_DQ))
+    exact = api.get_dispatcher().plan_backward(problem, exact_delta=True)
+    assert api._backward_launches(problem, True).stage1 == api._algo(exact.config(Family.BWD_DQ))
+    deterministic = api._backward_launches(problem.with_(deterministic=True), False)
+    assert deterministic.convert is None and deterministic.dq is not None
+
+    class Counting(Dispatcher):
+        calls = 0
+
+        def plan_backward(self, problem, *, exact_delta=False):
+            Counting.calls += 1
+            return super().plan_backward(problem, exact_delta=exact_delta)
+
+    with api.use_dispatcher(Counting(default_registry())):  # a new dispatcher: planned again
+        api._backward_launches(problem, False)
+        api._backward_launches(problem, False)
+        assert Counting.calls == 1
+    assert api._backward_launches(problem, False) is not first  # and again after it
+
+
+def test_eager_backward_refuses_inputs_changed_since_the_forward(rng):
+    """What lets the eager backward reuse the forward's Problem: autograd refuses saved inputs
+    changed in place (shape and stride changes included) before the backward runs."""
+    leaf = torch.randn(1, 2, 8, 16, generator=rng, requires_grad=True)
+    changes = (lambda t: t.mul_(2), lambda t: t.transpose_(2, 3),
+               lambda t: t.as_strided_((1, 2, 8, 16), (256, 128, 1, 8)))
+    for change in changes:
+        q = leaf * 1
+        o = fmha.attention(q, q, q, causal=True)
+        change(q)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            o.sum().backward()

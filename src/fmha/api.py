@@ -36,6 +36,7 @@ def set_dispatcher(dispatcher: Dispatcher | None) -> None:
     _dispatcher = dispatcher
     _plan_forward.cache_clear()
     _plan_backward.cache_clear()
+    _backward_launches.cache_clear()
     from .kvcache import clear_plans  # imported here: fmha.kvcache imports this module
 
     clear_plans()
@@ -74,9 +75,15 @@ def _arch_of(device: torch.device) -> str:
 def _tma_aligned(*tensors: Tensor) -> bool:
     """What TMA descriptors can address (kernels/gluon_common). Imported on first use:
     `import fmha` does not import Triton."""
-    from .kernels.gluon_common import tma_aligned
+    return _gluon_common().tma_aligned(*tensors)
 
-    return tma_aligned(*tensors)
+
+@functools.cache
+def _gluon_common():
+    # (an import statement costs ~1 us a call; the Gluon backward checks dO on every call)
+    from .kernels import gluon_common
+
+    return gluon_common
 
 
 def _algorithm_args(config: KernelConfig) -> dict:
@@ -129,9 +136,7 @@ def _prepare(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seq
                dropout_p, deterministic)
         hit = _PREPARED.get(key)
         if hit is not None:
-            problem, scale = hit
-            qv, kv, vv = (t.transpose(1, 2) if problem.layout == "bshd" else t for t in (q, k, v))
-            return _Prepared(problem, qv, kv, vv, scale)
+            return _prepared_views(hit[0], q, k, v, hit[1])
     prep = _validate_and_describe(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                   max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left, window_right,
                                   mask_align, sink_size, softcap, dropout_p, deterministic)
@@ -140,6 +145,13 @@ def _prepare(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seq
             _PREPARED.clear()
         _PREPARED[key] = (prep.problem, prep.scale)
     return prep
+
+
+def _prepared_views(problem: Problem, q, k, v, scale: float) -> _Prepared:
+    """The _Prepared of a validated problem: q, k, v as kernel views (bshd read transposed)."""
+    if problem.layout == "bshd" and not problem.varlen:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return _Prepared(problem, q, k, v, scale)
 
 
 def _validate_and_describe(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
@@ -307,8 +319,9 @@ def _launch_dkdv(prep: _Prepared, config: KernelConfig, do_view: Tensor, lse: Te
 
 
 def _prepare_op(q: Tensor, k: Tensor, v: Tensor, values: tuple) -> _Prepared:
-    """`_prepare` for an op's flattened arguments, given in `_OP_ARGS` order."""
-    return _prepare(q, k, v, **dict(zip(_OP_ARGS, values, strict=True)))
+    """`_prepare` for an op's flattened arguments, given in `_OP_ARGS` order (`_prepare`'s own
+    order after q, k, v: passed positionally, a dict of keywords costs ~2 us a call)."""
+    return _prepare(q, k, v, *values)
 
 
 @torch.library.custom_op("fmha::fwd", mutates_args=())
@@ -320,16 +333,25 @@ def _fwd_op(
     sink_size: int, softcap: float, dropout_p: float, seed: int, offset: int, deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     """Returns (o in q's layout and dtype, lse (B, Hq, Sq) or (Hq, total_q))."""
-    prep = _prepare_op(q, k, v, (bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                 max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
-                                 window_right, mask_align, sink_size, softcap, dropout_p, seed,
-                                 offset, deterministic))
+    return _fwd_body(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                     max_seqlen_k, layout, scale, causal, window_left, window_right, mask_align, sink_size,
+                     softcap, dropout_p, seed, offset, deterministic)[:2]
+
+
+def _fwd_body(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+              max_seqlen_k, layout, scale, causal, window_left, window_right, mask_align, sink_size,
+              softcap, dropout_p, seed, offset, deterministic) -> tuple[Tensor, Tensor, _Prepared]:
+    """`_fwd_op`'s work: (o, lse, and the call's _Prepared, which the eager autograd path keeps
+    for the backward)."""
+    prep = _prepare(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                    max_seqlen_k, layout, scale, causal, window_left, window_right, mask_align, sink_size,
+                    softcap, dropout_p, seed, offset, deterministic)
     plan = _plan_forward(prep.problem, False)
     o, o_view, lse = _alloc_like(q, v.shape[-1], prep.problem.varlen, layout)
     if o.numel() or lse.numel():
         _launch_forward(prep, plan.config(Family.FWD), o_view, lse, sinks,
                         _kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, seed, offset))
-    return o, lse
+    return o, lse, prep
 
 
 @_fwd_op.register_fake
@@ -352,23 +374,67 @@ def _bwd_op(
 
     With dbias or dsinks wanted, stage 1 computes delta exactly (`launch_delta`, one more
     QK^T and dO V^T pass) instead of from the rounded O (`launch_dot_do_o`)."""
+    dq, dk, dv, dbias, dsinks = _bwd_body(
+        do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q,
+        cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
+        window_right, mask_align, sink_size, softcap, dropout_p, seed, offset, deterministic)
+    return (dq, dk, dv, q.new_empty(0) if dbias is None else dbias,
+            q.new_empty(0) if dsinks is None else dsinks)
+
+
+@dataclass(frozen=True)
+class _BackwardLaunches:
+    """The backward plan's configs as its launchers' arguments, built once per plan (the
+    plan lookups and argument dicts cost ~8 us a call). The dicts are only ever unpacked."""
+    stage1: dict  # launch_delta's (the BWD_DQ config) when exact_delta, else launch_dot_do_o's
+    dkdv: KernelConfig
+    dq: dict | None  # launch_dq's, deterministic only
+    convert: dict | None  # launch_convert_dq's, otherwise
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_launches(problem: Problem, exact_delta: bool) -> _BackwardLaunches:
+    plan = _plan_backward(problem, exact_delta)
+    stage1 = plan.config(Family.BWD_DQ if exact_delta else Family.BWD_DOT_DO_O)
+    dq = plan.config(Family.BWD_DQ) if problem.deterministic else None
+    convert = None if problem.deterministic else plan.config(Family.BWD_CONVERT_DQ)
+    return _BackwardLaunches(_algo(stage1), plan.config(Family.BWD_DQ_DK_DV),
+                             None if dq is None else _algo(dq), None if convert is None else _algo(convert))
+
+
+def _bwd_body(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q,
+              cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
+              window_right, mask_align, sink_size, softcap, dropout_p, seed, offset, deterministic,
+              forward: tuple[Problem, float] | None = None):
+    """`_bwd_op`'s work, with None for a dbias or dsinks not wanted (the op returns empty
+    tensors for them; the eager backward, which calls this directly, allocates nothing).
+
+    forward: the forward's (Problem, scale) for these very tensors (the eager autograd path
+    keeps them: saved tensors cannot change without autograd refusing them), so they are not
+    validated and described again."""
     if dlse is not None and (dlse.stride() != lse.stride() or dlse.dtype != lse.dtype):
         # The kernels read dlse with lse's strides; the gradient of e.g. lse.sum() is an
         # expanded (stride 0) view, which they would read past its one element.
         dlse = torch.empty_like(lse).copy_(dlse)
-    prep = _prepare_op(q, k, v, (bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                 max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
-                                 window_right, mask_align, sink_size, softcap, dropout_p, seed,
-                                 offset, deterministic))
+    if forward is not None:
+        prep = _prepared_views(forward[0], q, k, v, forward[1])
+    else:
+        prep = _prepare(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                        max_seqlen_k, layout, scale, causal, window_left, window_right, mask_align, sink_size,
+                        softcap, dropout_p, seed, offset, deterministic)
     problem = prep.problem
     want_dsinks = want_dsinks and sinks is not None
     exact_delta = want_dbias or want_dsinks
-    plan = _plan_backward(problem, exact_delta)
+    launches = _backward_launches(problem, exact_delta)
     kernels = family_module("bwd", interpreted=q.device.type == "cpu")
     varlen = problem.varlen
-    dq, dq_view, delta = _alloc_like(q, q.shape[-1], varlen, layout)
-    dk, dk_view, _ = _alloc_like(k, k.shape[-1], varlen, layout)
-    dv, dv_view, _ = _alloc_like(v, v.shape[-1], varlen, layout)
+    # dq, dk, dv: their inputs' shapes and dtypes, contiguous in the user's layout; delta and
+    # the dQ accumulator in the stats dtype (_stats_dtype), delta shaped like lse. The *_like
+    # forms parse no shape or dtype arguments: ~2 us less a tensor than new_empty/zeros.
+    contiguous, stats = torch.contiguous_format, _stats_dtype(q)
+    dq, dk, dv = (torch.empty_like(t, memory_format=contiguous) for t in (q, k, v))
+    dq_view, dk_view, dv_view = (_kernel_view(t, prep) for t in (dq, dk, dv))
+    delta = torch.empty_like(lse, dtype=stats, memory_format=contiguous)
     if seqused_k is not None:  # keys past seqused_k belong to no program: their gradient is 0
         dk.zero_()
         dv.zero_()
@@ -378,27 +444,24 @@ def _bwd_op(
     dbias_full = None
     if want_dbias:
         dbias_full = torch.zeros((problem.batch, problem.nhead_q, problem.seqlen_q, problem.seqlen_k),
-                                 dtype=_stats_dtype(q), device=q.device)
+                                 dtype=stats, device=q.device)
     o_view, do_view = _kernel_view(o, prep), _kernel_view(do, prep)
     with _device_guard(q):
         if exact_delta:
             kernels.launch_delta(prep.q, prep.k, prep.v, do_view, lse, delta, dlse=dlse,
                                  sinks=sinks if want_dsinks else None, dsinks_rows=dsinks_rows,
-                                 **shared, **_algo(plan.config(Family.BWD_DQ)))
+                                 **shared, **launches.stage1)
         else:
-            kernels.launch_dot_do_o(o_view, do_view, lse, delta, dlse=dlse, **shared,
-                                    **_algo(plan.config(Family.BWD_DOT_DO_O)))
+            kernels.launch_dot_do_o(o_view, do_view, lse, delta, dlse=dlse, **shared, **launches.stage1)
         if problem.deterministic:
             kernels.launch_dkdv(prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view,
-                                dbias=dbias_full, **shared, **_algo(plan.config(Family.BWD_DQ_DK_DV)))
-            kernels.launch_dq(prep.q, prep.k, prep.v, do_view, lse, delta, dq_view, **shared,
-                              **_algo(plan.config(Family.BWD_DQ)))
+                                dbias=dbias_full, **shared, **_algo(launches.dkdv))
+            kernels.launch_dq(prep.q, prep.k, prep.v, do_view, lse, delta, dq_view, **shared, **launches.dq)
         else:
-            dq_acc = torch.zeros(dq.shape, dtype=_stats_dtype(q), device=q.device)
-            _launch_dkdv(prep, plan.config(Family.BWD_DQ_DK_DV), do_view, lse, delta, dk_view, dv_view,
+            dq_acc = torch.zeros_like(dq, dtype=stats, memory_format=contiguous)
+            _launch_dkdv(prep, launches.dkdv, do_view, lse, delta, dk_view, dv_view,
                          _kernel_view(dq_acc, prep), dbias_full, shared)
-            kernels.launch_convert_dq(dq_acc, dq, scale=prep.scale,
-                                      **_algo(plan.config(Family.BWD_CONVERT_DQ)))
+            kernels.launch_convert_dq(dq_acc, dq, scale=prep.scale, **launches.convert)
     if problem.seqlen_k == 1 and sinks is None and dlse is None:
         # Softmax over a single key: dS = P (dP - delta) is exactly 0 (delta = P dP), so dq, dk
         # and dbias are 0. The kernels form dP and delta in two different summation orders
@@ -408,10 +471,10 @@ def _bwd_op(
         dk.zero_()
         if dbias_full is not None:
             dbias_full.zero_()
-    dbias = q.new_empty(0)
+    dbias = None
     if want_dbias:
         dbias = _reduce_to(dbias_full, bias).to(bias.dtype)
-    dsinks = q.new_empty(0)
+    dsinks = None
     if want_dsinks:  # per-row shares (B, Hq, Sq) or (Hq, total_q), summed per head
         head_axis = 0 if varlen else 1
         dsinks = dsinks_rows.sum(dim=tuple(i for i in range(dsinks_rows.dim()) if i != head_axis))
@@ -469,15 +532,22 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_o, grad_lse):
+    """The backward of `_fwd_op` (registered) and of `_EagerAttention`."""
     q, k, v, o, lse, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k = ctx.saved_tensors
     if grad_o is None:  # only lse was used
         grad_o = torch.zeros_like(o)
     want_dbias = bias is not None and ctx.needs_input_grad[3]
     want_dsinks = sinks is not None and ctx.needs_input_grad[5]
     tensors = (grad_o, grad_lse, q, k, v, o, lse, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k)
-    dq, dk, dv, dbias, dsinks = _direct(_bwd_op, tensors, grad_free=False)(  # (no double backward)
-        grad_o.contiguous() if grad_o.stride(-1) != 1 else grad_o, grad_lse, o, lse, want_dbias,
-        want_dsinks, q, k, v, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k, *ctx.scalars)
+    op = _direct(_bwd_op, tensors, grad_free=False)  # (no double backward)
+    args = (grad_o.contiguous() if grad_o.stride(-1) != 1 else grad_o, grad_lse, o, lse, want_dbias,
+            want_dsinks, q, k, v, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k, *ctx.scalars)
+    if op is _bwd_op._init_fn:
+        # The op's body itself, with what the eager forward kept (`_EagerAttention`), and
+        # without the op's empty placeholders for an unwanted dbias / dsinks (None below).
+        dq, dk, dv, dbias, dsinks = _bwd_body(*args, forward=getattr(ctx, "fmha_forward", None))
+    else:
+        dq, dk, dv, dbias, dsinks = op(*args)
     return (dq, dk, dv, dbias if want_dbias else None, None,
             dsinks if want_dsinks else None) + (None,) * (len(ctx.scalars) + 3)
 
@@ -489,17 +559,36 @@ class _EagerAttention(torch.autograd.Function):
     """`_fwd_op` with its registered backward for plain eager autograd calls (`_direct`): the
     same body, context and backward, recorded by autograd directly."""
 
+    @classmethod
+    def apply(cls, *args):
+        """`Function.apply` less its binding of the arguments to forward's signature through
+        `inspect` (~35 us a call, a third of the call): forward takes *args, so the binding
+        changes nothing. Under torch.func transforms (which `_direct` already routes to the
+        op) `Function.apply` itself runs."""
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)[:2]
+        # Dead torch.func wrappers unwrapped, as Function.apply does (only tensors can be).
+        args = tuple(_unwrap_if_dead(a) if type(a) is Tensor else a for a in args)
+        return super(torch.autograd.Function, cls).apply(*args)[:2]  # (the C++ apply it ends in)
+
     @staticmethod
     def forward(*args):
-        return _fwd_op._init_fn(*args)
+        # A third, non-tensor output (dropped by `apply`) hands the validated Problem and
+        # scale to setup_context, for the backward (`_bwd_body`'s `forward`).
+        o, lse, prep = _fwd_body(*args)
+        return o, lse, (prep.problem, prep.scale)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs, output)
+        _setup_context(ctx, inputs, output[:2])
+        ctx.fmha_forward = output[2]
 
     @staticmethod
-    def backward(ctx, grad_o, grad_lse):
+    def backward(ctx, grad_o, grad_lse, _):
         return _backward(ctx, grad_o, grad_lse)
+
+
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead  # (what Function.apply unwraps with)
 
 
 @torch.library.custom_op("fmha::fwd_fp8", mutates_args=())

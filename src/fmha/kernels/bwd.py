@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import launch_cache
 from .common import LOG2E, dropout_keep, key_range, modify_logits, seq_bounds, visible
-from .launch_args import alibi_strides, bias_strides, feature_flags, padded_dim, row_strides, seq_strides
+from .launch_args import alibi_strides, bias_strides, cdiv, feature_flags, padded_dim, row_strides, seq_strides
 
 
 @triton.jit
@@ -400,7 +400,7 @@ def launch_dot_do_o(o, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=Non
                     block_m: int, num_warps: int, num_stages: int, **_unused) -> None:
     varlen = cu_seqlens_q is not None
     nheads_q, head_dim_v = o.shape[1], o.shape[-1]
-    grid = (triton.cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
+    grid = (cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
     if grid[0] == 0:
         return
     launch_cache.launch(dot_do_o_kernel, grid,
@@ -424,7 +424,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, *, dq_acc=None, dbias=None,
     """dK, dV (and dQ into the fp32 `dq_acc` with atomics when given; dS into `dbias`)."""
     varlen = cu_seqlens_q is not None
     nheads_q, nheads_k, head_dim_qk, head_dim_v = _dims(q, k, v)
-    grid = (triton.cdiv(max_seqlen_k, block_n) * batch * nheads_k,)
+    grid = (cdiv(max_seqlen_k, block_n) * batch * nheads_k,)
     if grid[0] == 0:
         return
     dummy = delta
@@ -465,7 +465,7 @@ def launch_dq(q, k, v, do, lse, delta, dq, *,
     """
     varlen = cu_seqlens_q is not None
     nheads_q, nheads_k, head_dim_qk, head_dim_v = _dims(q, k, v)
-    grid = (triton.cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
+    grid = (cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
     if grid[0] == 0:
         return
     dummy = delta
@@ -507,6 +507,6 @@ def launch_convert_dq(dq_acc, dq, *, scale: float, block_m: int, num_warps: int,
     n_rows = dq.numel() // max(head_dim, 1)
     if n_rows == 0:
         return
-    grid = (triton.cdiv(n_rows, block_m),)
+    grid = (cdiv(n_rows, block_m),)
     launch_cache.launch(convert_dq_kernel, grid, dq_acc, dq, n_rows, head_dim, scale, head_dim, head_dim,
                             BLOCK_R=block_m, BLOCK_D=padded_dim(head_dim), num_warps=num_warps)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -38,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import fwd_gluon, launch_cache
 from .gluon_common import acc_layout, descriptor, descriptor_type, fast_descriptor, tma_aligned, tma_reduce_add
+from .launch_args import cdiv
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # Warp-specialized variant: 8 compute warps + 1 loader warp + 2 writer warps, padded to 12
@@ -1152,7 +1152,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
-    grid = (triton.cdiv(seqlen_k, block_n) * batch * nheads_k,)
+    grid = (cdiv(seqlen_k, block_n) * batch * nheads_k,)
     if persistent:  # one program per SM (~200 KB of shared memory a program)
         grid = (min(grid[0], _sm_count(q.device)),)
     # LSE/delta by TMA needs 16-byte aligned bases and row strides (Sq % 4 == 0 when contiguous).

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from .common import dropout_keep
+from .launch_args import cdiv
 
 
 @triton.jit(do_not_specialize=["seed", "offset"])
@@ -33,7 +34,7 @@ def launch(mask, *, dropout_p: float, seed: int, offset: int,
            block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
     """mask: uint8 (B, H, Sq, Sk), contiguous last dim; filled with 1 = keep."""
     batch, nheads, seqlen_q, seqlen_k = mask.shape
-    grid = (triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n), batch * nheads)
+    grid = (cdiv(seqlen_q, block_m), cdiv(seqlen_k, block_n), batch * nheads)
     dropout_mask_kernel[grid](
         mask, mask.stride(0), mask.stride(1), mask.stride(2),
         nheads, seqlen_q, seqlen_k, dropout_p, seed, offset,

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .common import LN2, LOG2E, dropout_keep, key_range, modify_logits, seq_bounds, visible
-from .launch_args import alibi_strides, bias_strides, feature_flags, padded_dim, row_strides, seq_strides
+from .launch_args import alibi_strides, bias_strides, cdiv, feature_flags, padded_dim, row_strides, seq_strides
 
 
 @triton.jit
@@ -280,7 +280,7 @@ def launch(
     head_dim_qk, head_dim_v = q.shape[-1], v.shape[-1]
     dummy = o
     left, right = window
-    grid = (triton.cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
+    grid = (cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
     fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if fp8:  # an absent descale is 1
         one = None

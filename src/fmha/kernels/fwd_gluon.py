@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -45,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import launch_cache
 from .gluon_common import acc_layout, descriptor, descriptor_type, tma_aligned
+from .launch_args import cdiv
 
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
@@ -695,14 +695,14 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
-    grid = (triton.cdiv(seqlen_q, block_m) * batch * nheads_q,)
+    grid = (cdiv(seqlen_q, block_m) * batch * nheads_q,)
     maxnreg, consumer_regs, producer_regs = registers(block_m)
     q_desc = descriptor(q, WG_ROWS.value)
     o_tma = o.dtype == q.dtype and tma_aligned(o)
     fp8 = q.dtype == torch.float8_e4m3fn
     tau = float(default_rescale_tau(head_dim, persistent, fp8) if rescale_tau is None else rescale_tau)
     if tile_order is None:
-        tile_order = default_tile_order(head_dim, triton.cdiv(seqlen_q, block_m))
+        tile_order = default_tile_order(head_dim, cdiv(seqlen_q, block_m))
     check_rescale_tau(tau, fp8)
     o_buf = False
     if persistent:

@@ -10,6 +10,7 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # (imported per call: +2 us a descriptor)
 
 _ELEMENTS = {"fp16": gl.float16, "bf16": gl.bfloat16, "fp8e4nv": gl.float8e4nv, "fp32": gl.float32}
 _TORCH_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float8_e4m3fn": "fp8e4nv",
@@ -31,12 +32,14 @@ def acc_layout(rows, cols, num_warps, instr_k=16):
 
 def tma_aligned(*tensors) -> bool:
     """Base pointers and all but the last (unit) stride 16-byte aligned, no broadcast
-    (stride 0) dimension of extent > 1: what a TMA descriptor can address."""
+    (stride 0) dimension of extent > 1: what a TMA descriptor can address. (On every launch:
+    written to read each stride once and no torch.device, ~2 us a tensor instead of ~4.)"""
     for t in tensors:
-        size = t.element_size()
-        if t.stride(-1) != 1 or (t.device.type != "meta" and t.data_ptr() % 16):
+        strides = t.stride()
+        if strides[-1] != 1 or (not t.is_meta and t.data_ptr() % 16):
             return False
-        for extent, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True):
+        size = t.element_size()
+        for extent, stride in zip(t.shape, strides[:-1], strict=False):  # (all but the last dimension)
             if (stride * size) % 16 or (extent > 1 and stride <= 0):
                 return False
     return True
@@ -61,8 +64,6 @@ def fast_descriptor(t, block_shape: list, layout):
     """`TensorDescriptor(t, shape, strides, block_shape, layout)` without its per-call checks
     (alignment, block shape, layout type: ~8 us of Python per descriptor), which
     `tma_aligned` and the cached layouts already guarantee."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     desc = object.__new__(TensorDescriptor)
     desc.base, desc.shape, desc.strides = t, list(t.shape), list(t.stride())
     desc.block_shape, desc.layout, desc.padding = block_shape, layout, "zero"

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import launch_cache
 from .common import LN2, LOG2E, key_range, modify_logits, visible
-from .launch_args import alibi_strides, padded_dim
+from .launch_args import alibi_strides, cdiv, padded_dim
 
 
 @triton.jit
@@ -430,7 +430,7 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
         raise ValueError("launch_attention needs seqlens_k, or kv_last_page_len with kv_indptr")
     dummy = lengths
     left, right = window
-    grid = (triton.cdiv(seqlen_q * (nheads_q // nheads_k), block_m) * batch * nheads_k * num_splits,)
+    grid = (cdiv(seqlen_q * (nheads_q // nheads_k), block_m) * batch * nheads_k * num_splits,)
     if grid[0] == 0:
         return
     paging = _paging(block_table, kv_indptr, k_cache.shape[1], block_n)
@@ -485,7 +485,7 @@ def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sink
     n_parts, n_rows, head_dim = o_parts.shape
     if n_rows == 0:
         return
-    grid = (triton.cdiv(n_rows, block_m),)
+    grid = (cdiv(n_rows, block_m),)
     launch_cache.launch(combine_kernel, grid,
         o_parts, lse_parts, o, lse, sinks if sinks is not None else lse,
         n_parts, n_rows, nheads, seqlen, head_dim,
@@ -512,7 +512,7 @@ def launch_rotary_append(src, dst, *, base, cos=None, sin=None, interleaved=Fals
         dst_strides = (dst.stride(0), dst.stride(1), dst.stride(2))
     else:
         dst_strides = (0, dst.stride(0), dst.stride(1))
-    grid = (triton.cdiv(ntok, block_m) * batch * nheads,)
+    grid = (cdiv(ntok, block_m) * batch * nheads,)
     if grid[0] == 0:
         return
     rotate = cos is not None
