@@ -258,7 +258,8 @@ def test_gluon_ws_persistent_backward_compiles_for_sm90(tmp_path, monkeypatch, h
     """The persistent warp-specialized dK/dV kernel (registry tile made persistent: D=64 m128 s2,
     D=128 m64 s3, D=256 m64n64 s2), plain and causal: fits the shared memory (one mbarrier more
     than the one-tile kernel), compute warpgroups at 240 registers, dQ by TMA reduce-add, no
-    atomics; it reads the grid size (the tile loop's stride), which the one-tile kernel never does."""
+    atomics; it reads the grid size (the tile loop's stride), which the one-tile kernel never does.
+    D=64's causal_pairs variant is TILE_ORDER 2, its causal one 1."""
     import dataclasses
 
     from fmha.configs import KernelConfig
@@ -267,7 +268,8 @@ def test_gluon_ws_persistent_backward_compiles_for_sm90(tmp_path, monkeypatch, h
     config = _bwd_gluon_config(head_dim)
     config = KernelConfig(config.signature, dataclasses.replace(config.algorithm, persistent=True))
     kernels = _built_for_sm90(config, tmp_path, monkeypatch, dtype=dtype)
-    assert [k.variant for k in kernels] == ["plain", "causal"]
+    # (D=64 prefers heads outermost: its pairs order, for shapes where heads would not balance, too)
+    assert [k.variant for k in kernels] == ["plain", "causal"] + (["causal_pairs"] if head_dim == 64 else [])
     a = config.algorithm
     smem = bwd_gluon.ws_shared_bytes(head_dim, a.block_m, a.block_n, a.num_stages,
                                      bwd_gluon.SHAPES["gluon_ws"][head_dim]["dq_bufs"], True)
@@ -278,6 +280,11 @@ def test_gluon_ws_persistent_backward_compiles_for_sm90(tmp_path, monkeypatch, h
         assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
         assert "red.global" not in ptx and "atom.global" not in ptx
         assert "%nctaid.x" in ptx
+    from fmha import precompile
+
+    orders = {v: dict(job.constexprs)["TILE_ORDER"] for v, job in precompile.gluon_jobs(config, dtype)}
+    assert orders == {"plain": 0, "causal": bwd_gluon.preferred_tile_order(head_dim), "causal_pairs": 2} \
+        if head_dim == 64 else {"plain": 0, "causal": 2}
 
 
 def test_tma_alignment_detection():

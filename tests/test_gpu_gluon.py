@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fmha
+from fmha.kernels.persistent_schedule import causal_tile_order
 
 from attn_testing import check_attention, make_qkv
 
@@ -288,7 +289,8 @@ PERSISTENT_SHAPES = [  # (batch, nhead_q, nhead_k, seqlen_q, seqlen_k)
 
 def _persistent_launches(monkeypatch, programs=None, tile_order=None):
     """Make the dispatcher's Gluon forward persistent (at most `programs` SMs), in causal tile order
-    `tile_order` (None: launch's default, `fwd_gluon.default_tile_order`); returns the list the
+    `tile_order` (None: launch's default, `fwd_gluon.default_tile_order` where it balances the
+    programs, persistent_schedule.causal_tile_order); returns the list the
     launches' (grid, number of CTA
     tiles) are appended to."""
     from fmha.kernels import fwd_gluon, launch_cache, loader
@@ -301,12 +303,13 @@ def _persistent_launches(monkeypatch, programs=None, tile_order=None):
         if tile_order is not None:
             kwargs["tile_order"] = tile_order
         row_tiles = -(-q.shape[2] // kwargs["block_m"])
-        default = fwd_gluon.default_tile_order(q.shape[3], row_tiles)
-        order = (default if tile_order is None else tile_order) if kwargs["causal"] else 0
         tiles = row_tiles * q.shape[0] * q.shape[1]
 
         def record(kernel, grid, *a, **kw):
             assert kw["PERSISTENT"] is True
+            default = causal_tile_order(fwd_gluon.default_tile_order(q.shape[3], row_tiles),
+                                        q.shape[0] * q.shape[1], row_tiles, grid[0])
+            order = (default if tile_order is None else tile_order) if kwargs["causal"] else 0
             assert kw["TILE_ORDER"] == order, (kw["TILE_ORDER"], order)
             seen.append((grid[0], tiles))
             return real_cache_launch(kernel, grid, *a, **kw)
@@ -516,24 +519,29 @@ def _persistent_bwd_dispatcher():
 
 def _persistent_bwd_launches(monkeypatch, programs=None, tile_order=None):
     """Spy on bwd_gluon.launch_dkdv (at most `programs` SMs; causal key-tile order `tile_order`
-    through SHAPES, None: SHAPES' own per head dim, else bwd_gluon.DEFAULT_TILE_ORDER); returns
-    the list the persistent launches' (grid, number of key tiles) are appended to."""
+    through SHAPES and run whether or not it balances the programs; None: SHAPES' own per head
+    dim, where it balances, else pairs: persistent_schedule.causal_tile_order); returns the list
+    the persistent launches' (grid, number of key tiles) are appended to."""
     from fmha.kernels import bwd_gluon, launch_cache, loader
 
     seen = []
     real_launch, real_cache_launch = bwd_gluon.launch_dkdv, launch_cache.launch
+    balanced = causal_tile_order
     if tile_order is not None:
         for head_dim in (64, 128, 256):
             _change_bwd_shape(monkeypatch, "gluon_ws", head_dim, {"tile_order": tile_order})
+        monkeypatch.setattr(bwd_gluon, "causal_tile_order", lambda order, *shape: order)  # (as forced)
+        balanced = bwd_gluon.causal_tile_order
     orders = {d: shape.get("tile_order", bwd_gluon.DEFAULT_TILE_ORDER)
               for d, shape in bwd_gluon.SHAPES["gluon_ws"].items()}  # (D=64: heads)
 
     def launch_dkdv(q, k, *args, **kwargs):
         assert kwargs["persistent"] is True and kwargs["warp_specialized"] is True, kwargs
-        tiles = -(-k.shape[2] // kwargs["block_n"]) * k.shape[0] * k.shape[1]
-        order = orders[q.shape[3]]
+        n_tiles = -(-k.shape[2] // kwargs["block_n"])
+        tiles = n_tiles * k.shape[0] * k.shape[1]
 
         def record(kernel, grid, *a, **kw):
+            order = balanced(orders[q.shape[3]], k.shape[0] * k.shape[1], n_tiles, grid[0])
             assert kernel is bwd_gluon.bwd_dkdv_ws_kernel and kw["PERSISTENT"] is True
             assert kw["TILE_ORDER"] == (order if kwargs["causal"] else 0), (kw["TILE_ORDER"], order)
             seen.append((grid[0], tiles))

@@ -358,10 +358,12 @@ def make_job(spec: KernelSpec, config: KernelConfig, dtype: DType, variant: str)
 
 def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob]]:
     """The compile calls of a Gluon config, plain and causal (and for the persistent forward at
-    D=128 causal_short: its tile order for <= 8 row tiles a head): the forward
+    D=128 causal_short: its tile order for <= 8 row tiles a head; for the persistent dK/dV at
+    D=64 causal_pairs: the order where heads outermost would not balance): the forward
     (kernels/fwd_gluon.py) or the dK/dV backward with dQ added into an fp32 buffer
     (kernels/bwd_gluon.py)."""
     from .kernels import bwd_gluon, fwd_gluon
+    from .kernels.persistent_schedule import PAIRS
 
     a = config.algorithm
     head_dim = config.signature.head_dim_max
@@ -372,6 +374,11 @@ def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob
     if config.family == Family.FWD and a.persistent and "causal" in variants \
             and short_order != fwd_gluon.default_tile_order(head_dim, 1 << 20):
         variants.append("causal_short")
+    # The persistent causal dK/dV: its preferred order (heads at D=64) and pairs, which a launch
+    # runs where heads would unbalance the programs (persistent_schedule.causal_tile_order).
+    if config.family == Family.BWD_DQ_DK_DV and a.persistent and "causal" in variants \
+            and bwd_gluon.preferred_tile_order(head_dim) != PAIRS:
+        variants.append("causal_pairs")
     jobs = []
     for variant in variants:
         args = (TRITON_TYPES[dtype], head_dim, a.block_m, a.block_n, a.num_stages)
@@ -383,9 +390,9 @@ def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob
         elif config.family == Family.BWD_DQ_DK_DV:
             ws = a.pipeline == Pipeline.GLUON_WS
             module, kernel = bwd_gluon, "bwd_dkdv_ws_kernel" if ws else "bwd_dkdv_kernel"
-            signature, constexprs, options = bwd_gluon.compile_spec(*args, causal=variant == "causal",
-                                                                    num_warps=a.num_warps, warp_specialized=ws,
-                                                                    persistent=a.persistent)
+            signature, constexprs, options = bwd_gluon.compile_spec(
+                *args, causal=variant != "plain", num_warps=a.num_warps, warp_specialized=ws,
+                persistent=a.persistent, **({"tile_order": PAIRS} if variant == "causal_pairs" else {}))
         else:
             raise ValueError(f"no Gluon kernel for family {config.family.value}")
         jobs.append((variant, CompileJob(module.__name__, kernel, tuple(signature.items()),

@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import fwd_gluon, launch_cache
 from .gluon_common import acc_layout, descriptor, descriptor_type, fast_descriptor, tma_aligned, tma_reduce_add
 from .launch_args import cdiv
+from .persistent_schedule import causal_tile_order
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # Warp-specialized variant: 8 compute warps + 1 loader warp + 2 writer warps, padded to 12
@@ -1133,7 +1134,9 @@ def dq_columns(head_dim: int) -> int:
 # pairs (a head's longest with its shortest key tile), the forward's best at most shapes. At D=64
 # (the one head dim registered persistent) heads outermost measured best: dK/dV GPU time 1.10x
 # the one-tile kernel's at B=16 S=1024 causal (pairs 1.08x, LPT 0.95x) and 1.08x at B=4 S=4096
-# (pairs 1.04x, LPT 1.05x); H200, 2026-11-30, attempt 43.
+# (pairs 1.04x, LPT 1.05x); H200, 2026-11-30, attempt 43. Where heads outermost leaves the
+# static schedule unbalanced (B=1 H=16 S=16384: 0.71x cuDNN) a launch runs pairs instead
+# (persistent_schedule.causal_tile_order, attempt 44).
 DEFAULT_TILE_ORDER = 2
 SHAPES = {
     "gluon": {64: dict(dq_tma=1), 128: dict(dq_tma=1), 256: dict(dq_tma=1, dq_alias=1)},
@@ -1148,20 +1151,26 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     """(B, H, S, D) views; lse/delta (B, Hq, Sq) fp32; dq_acc fp32 (B, Hq, Sq, D) view, zeroed
     (16-byte aligned rows for the warp-specialized kernel: fmha allocates it so).
     persistent (warp_specialized): one program per SM walks the key tiles
-    (bwd_dkdv_ws_kernel's PERSISTENT; causal tile order from SHAPES' tile_order)."""
+    (bwd_dkdv_ws_kernel's PERSISTENT; causal tile order `preferred_tile_order`, pairs where
+    heads outermost would unbalance the programs: persistent_schedule.causal_tile_order)."""
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
     grid = (cdiv(seqlen_k, block_n) * batch * nheads_k,)
+    tile_order = None
     if persistent:  # one program per SM (~200 KB of shared memory a program)
         grid = (min(grid[0], _sm_count(q.device)),)
+        if causal:
+            tile_order = causal_tile_order(preferred_tile_order(head_dim), batch * nheads_k,
+                                           cdiv(seqlen_k, block_n), grid[0])
     # LSE/delta by TMA needs 16-byte aligned bases and row strides (Sq % 4 == 0 when contiguous).
     stats_tma = tma_aligned(lse, delta)
     # dQ pairs 8-byte aligned: the kernel assumes column stride 1; the other strides even.
     dq_v2 = dq_acc.data_ptr() % 8 == 0 and all(s % 2 == 0 for s in dq_acc.stride()[:3])
     kernel, constexprs, options, reduce_cols = _kernel_spec(
         head_dim, block_m, block_n, num_stages, causal=causal, stats_tma=stats_tma, dq_tma=tma_aligned(dq_acc),
-        dq_v2=dq_v2, num_warps=num_warps, warp_specialized=warp_specialized, persistent=persistent)
+        dq_v2=dq_v2, num_warps=num_warps, warp_specialized=warp_specialized, persistent=persistent,
+        tile_order=tile_order)
     dq_tma = constexprs["DQ_TMA"]
     if warp_specialized and not (dq_tma or dq_quads_aligned(dq_acc)):
         raise ValueError("dq_acc: the warp-specialized dK/dV kernel adds dQ in 16-byte quads; "
@@ -1205,13 +1214,19 @@ def ws_shared_bytes(head_dim, block_m, block_n, stages, dq_bufs, persistent=Fals
 PERSISTENT_BARRIER_BYTES = 32  # kv_empty: one 8-byte mbarrier, as compiled (D 64/128/256: +32 bytes)
 
 
+def preferred_tile_order(head_dim: int) -> int:
+    """The persistent causal key-tile order SHAPES gives `head_dim` (DEFAULT_TILE_ORDER if none)."""
+    return SHAPES["gluon_ws"][head_dim].get("tile_order", DEFAULT_TILE_ORDER)
+
+
 def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, dq_tma, dq_v2, num_warps,
-                 warp_specialized, persistent=False):
+                 warp_specialized, persistent=False, tile_order=None):
     """(kernel, constexprs, launch options, dQ columns per reduce-add) of one launch, the
     kernel shape from SHAPES. dq_tma: whether TMA can address dq_acc (it is used where the
     shape says so). The warp-specialized launch's num_warps is the compute partition's 8;
     with the workers 12 warps start at 168 registers (WORKER_REGS). persistent: PERSISTENT,
-    with the shape's causal tile order (TILE_ORDER; 0 without a mask or persistence)."""
+    with causal tile order `tile_order` (None: `preferred_tile_order`; TILE_ORDER 0 without a
+    mask or persistence)."""
     shape = SHAPES["gluon_ws" if warp_specialized else "gluon"][head_dim]
     dq_tma = bool(shape["dq_tma"]) and dq_tma
     common = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
@@ -1228,7 +1243,8 @@ def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, d
         constexprs = dict(common, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"], DQ_TMA=dq_tma,
                           DQ_ALIAS=alias, DQ_EARLY=alias and bool(shape.get("dq_early")),
                           PS_SMEM=alias and bool(shape.get("ps_smem")), PERSISTENT=persistent,
-                          TILE_ORDER=shape.get("tile_order", DEFAULT_TILE_ORDER) if persistent and causal else 0)
+                          TILE_ORDER=(preferred_tile_order(head_dim) if tile_order is None else tile_order)
+                          if persistent and causal else 0)
         return (bwd_dkdv_ws_kernel, constexprs, {"num_warps": 8, "maxnreg": 168},
                 shape["dq_cols"] if alias else head_dim)
     dq_cols = shape.get("dq_cols", dq_columns(head_dim))
@@ -1251,14 +1267,15 @@ def _stats_descriptor(t, block_m: int):
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
                  causal: bool, stats_tma: bool = True, dq_v2: bool = True, num_warps: int = 8,
                  warp_specialized: bool = False, dq_tma: bool | None = None,
-                 persistent: bool = False) -> tuple[dict, dict, dict]:
+                 persistent: bool = False, tile_order: int | None = None) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `bwd_dkdv_kernel` (`bwd_dkdv_ws_kernel` when
     warp_specialized) as `launch_dkdv` calls it (with TMA-aligned LSE/delta and dq_acc unless
-    told otherwise; dq_tma None: as SHAPES says; persistent: launch_dkdv(persistent=True))."""
+    told otherwise; dq_tma None: as SHAPES says; persistent: launch_dkdv(persistent=True), whose
+    causal tile order is `tile_order`, None: `preferred_tile_order`)."""
     kernel, constexprs, options, reduce_cols = _kernel_spec(
         head_dim, block_m, block_n, num_stages, causal=causal, stats_tma=stats_tma,
         dq_tma=True if dq_tma is None else dq_tma, dq_v2=dq_v2, num_warps=num_warps,
-        warp_specialized=warp_specialized, persistent=persistent)
+        warp_specialized=warp_specialized, persistent=persistent, tile_order=tile_order)
     dq_type = descriptor_type("fp32", block_m, reduce_cols) if constexprs["DQ_TMA"] else "*fp32"
 
     def desc(rows):

@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import launch_cache
 from .gluon_common import acc_layout, descriptor, descriptor_type, tma_aligned
 from .launch_args import cdiv
+from .persistent_schedule import causal_tile_order
 
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
@@ -688,7 +689,8 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     persistent: one program per SM (`programs_per_sm`) walks the CTA tiles (fwd_ws_kernel's
     PERSISTENT), instead of one program per tile. tile_order (TILE_ORDER, persistent and causal
     only): 0 LPT over all heads, 1 heads outermost, 2 pairs of row tiles (see `_my_tile`); None:
-    `default_tile_order`.
+    `default_tile_order`, pairs where heads outermost would unbalance the programs
+    (persistent_schedule.causal_tile_order).
 
     rescale_tau: the kernel's RESCALE_TAU (lazy O rescale, log2 units, fp16/bf16 only); None:
     `default_rescale_tau`."""
@@ -701,8 +703,6 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     o_tma = o.dtype == q.dtype and tma_aligned(o)
     fp8 = q.dtype == torch.float8_e4m3fn
     tau = float(default_rescale_tau(head_dim, persistent, fp8) if rescale_tau is None else rescale_tau)
-    if tile_order is None:
-        tile_order = default_tile_order(head_dim, cdiv(seqlen_q, block_m))
     check_rescale_tau(tau, fp8)
     o_buf = False
     if persistent:
@@ -711,6 +711,11 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         device = q.device.index if q.device.index is not None else torch.cuda.current_device()
         per_sm = programs_per_sm(head_dim, block_m, block_n, num_stages, elem, o_buf)
         grid = (min(grid[0], _sm_count(device) * per_sm),)
+    if tile_order is None:
+        row_tiles = cdiv(seqlen_q, block_m)
+        tile_order = default_tile_order(head_dim, row_tiles)
+        if persistent and causal:
+            tile_order = causal_tile_order(tile_order, batch * nheads_q, row_tiles, grid[0])
     if fp8:
         v_desc = descriptor(_transposed(v), head_dim, block_n)
         descales = descales or (None, None, None)
