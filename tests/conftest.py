@@ -34,3 +34,15 @@ def rng():
     seed = secrets.randbits(31)
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Every test starts and ends without launcher plans (kernels/launch_cache.py): their keys
+    hold the launchers' arguments, not module state a test may monkeypatch (tile shapes, SM
+    counts, default tile orders)."""
+    from fmha.kernels import launch_cache
+
+    launch_cache.clear_plans()
+    yield
+    launch_cache.clear_plans()

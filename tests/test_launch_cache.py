@@ -195,3 +195,167 @@ def test_the_d256_backward_stages_dq_in_the_tiles_q_and_do_buffers(monkeypatch):
     _, _, args, kwargs = seen[-1]
     assert kwargs["DQ_TMA"] and kwargs["DQ_ALIAS"] and kwargs["DQ_COLS"] == 128
     assert list(args[6].block_shape) == [1, 1, 64, 128]  # one half per reduce-add
+
+
+def _recorded_runs(monkeypatch):
+    """The launch cache answering every key with a compiled kernel whose launch records its
+    bound arguments and grid (launch_cache.run and run_plan reach it), so launchers run on CPU
+    tensors with their plans enabled."""
+    import types
+
+    runs = []
+
+    def run(g0, g1, g2, stream, function, metadata, launch_metadata, enter, exit_, *bound):
+        runs.append(((g0, g1, g2), bound))
+
+    compiled = types.SimpleNamespace(run=run, function=None, packed_metadata=None,
+                                     launch_metadata=lambda grid, stream, *args: None)
+
+    class AlwaysHit(dict):
+        def get(self, key, default=None):
+            hash(key)
+            return compiled, (), None
+
+    active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 0)
+    monkeypatch.setattr(launch_cache, "_CACHE", AlwaysHit())
+    monkeypatch.setattr(launch_cache, "driver", types.SimpleNamespace(active=active))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return runs
+
+
+def _same(a, b) -> bool:
+    """Equal launch arguments: the same tensors (by identity), descriptors over the same tensor
+    with equal shape, strides, block and layout, equal other values."""
+    if hasattr(a, "block_shape"):
+        return (hasattr(b, "block_shape") and a.base is b.base and list(a.shape) == list(b.shape)
+                and list(a.strides) == list(b.strides) and a.block_shape == b.block_shape and a.layout == b.layout)
+    if isinstance(a, torch.Tensor):
+        return a is b
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("o_dtype", [torch.bfloat16, torch.float32])
+def test_forward_plan_launches_what_the_launcher_builds(monkeypatch, persistent, causal, o_dtype):
+    """fwd_gluon.launch's plan, made by one call, run by the next with other tensors of the
+    same metadata, passes exactly what the full launcher builds for those tensors (checked
+    against a call after clear_plans); a call with other metadata makes a plan of its own."""
+    from fmha.kernels import fwd_gluon
+
+    runs = _recorded_runs(monkeypatch)
+    monkeypatch.setattr(fwd_gluon, "_sm_count", lambda device: 132)
+
+    def tensors(b, hq, hk, s):
+        q = torch.empty(b, hq, s, 64, dtype=torch.bfloat16)
+        k, v = (torch.empty(b, hk, s, 64, dtype=torch.bfloat16) for _ in range(2))
+        return q, k, v, torch.empty(b, hq, s, 64, dtype=o_dtype), torch.empty(b, hq, s)
+
+    def call(ts):
+        fwd_gluon.launch(*ts, causal=causal, align_bottom_right=True, scale=0.125, block_m=128, block_n=128,
+                         num_stages=3, persistent=persistent)
+        return runs[-1]
+
+    launch_cache.clear_plans()
+    first, second = tensors(2, 8, 2, 300), tensors(2, 8, 2, 300)
+    call(first)
+    assert len(fwd_gluon._PLANS) == 1
+    planned = call(second)  # from the plan
+    launch_cache.clear_plans()
+    built = call(second)  # the launcher's full path
+    assert planned[0] == built[0] and len(planned[1]) == len(built[1])
+    assert all(_same(a, b) for a, b in zip(planned[1], built[1], strict=True))
+    other = tensors(1, 4, 4, 700)
+    call(other)
+    call(other)
+    assert len(fwd_gluon._PLANS) == 2
+
+
+@pytest.mark.parametrize("warp_specialized, persistent", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("stats_aligned", [True, False])
+def test_dkdv_plan_launches_what_the_launcher_builds(monkeypatch, warp_specialized, persistent, stats_aligned):
+    """bwd_gluon.launch_dkdv's plan against its full path, as for the forward (LSE/delta by TMA
+    and, unaligned, by pointer)."""
+    from fmha.kernels import bwd_gluon
+
+    runs = _recorded_runs(monkeypatch)
+    monkeypatch.setattr(bwd_gluon, "_sm_count", lambda device: 132)
+    sq = 1000 if stats_aligned else 1001  # (Sq % 4: the stats rows' 16-byte alignment)
+
+    def tensors():
+        q, do = (torch.empty(2, 8, sq, 128, dtype=torch.bfloat16) for _ in range(2))
+        k, v, dk, dv = (torch.empty(2, 2, 900, 128, dtype=torch.bfloat16) for _ in range(4))
+        lse, delta = torch.empty(2, 8, sq), torch.empty(2, 8, sq)
+        return q, k, v, do, lse, delta, dk, dv, torch.zeros(2, 8, sq, 128)
+
+    def call(ts):
+        bwd_gluon.launch_dkdv(*ts, causal=True, align_bottom_right=False, scale=0.088, block_m=64, block_n=128,
+                              num_stages=2, warp_specialized=warp_specialized, persistent=persistent)
+        return runs[-1]
+
+    launch_cache.clear_plans()
+    call(tensors())
+    assert len(bwd_gluon._PLANS) == 1
+    second = tensors()
+    planned = call(second)
+    launch_cache.clear_plans()
+    built = call(second)
+    assert planned[0] == built[0]
+    assert all(_same(a, b) for a, b in zip(planned[1], built[1], strict=True))
+    assert (not hasattr(built[1][4], "block_shape")) == (not stats_aligned)  # (both paths: one key)
+
+
+def test_a_spy_on_launch_sees_every_launch(monkeypatch):
+    """While `launch` is replaced, launchers build every launch (no plan), so the spy sees them."""
+    from fmha.kernels import fwd_gluon
+
+    _recorded_runs(monkeypatch)
+    ts = [torch.empty(1, 2, 128, 64, dtype=torch.bfloat16) for _ in range(4)] + [torch.empty(1, 2, 128)]
+    launch_cache.clear_plans()
+    for _ in range(2):
+        fwd_gluon.launch(*ts, causal=False, align_bottom_right=True, scale=0.1, block_m=128, block_n=128,
+                         num_stages=2)
+    assert len(fwd_gluon._PLANS) == 1
+    seen = _recorded_launches(monkeypatch)
+    assert not launch_cache.plans_enabled(fwd_gluon.fwd_ws_kernel)
+    for _ in range(3):
+        fwd_gluon.launch(*ts, causal=False, align_bottom_right=True, scale=0.1, block_m=128, block_n=128,
+                         num_stages=2)
+    assert len(seen) == 3
+
+
+def test_backward_helper_plans_launch_what_the_launchers_build(monkeypatch):
+    """bwd.launch_dot_do_o (dense, no dlse/sinks) and bwd.launch_convert_dq: a plan run
+    passes what the full launcher builds; a dot(dO, O) with dlse never takes a plan."""
+    from fmha.kernels import bwd
+
+    runs = _recorded_runs(monkeypatch)
+    b, h, s, d = 2, 4, 333, 64
+
+    def dot_tensors():
+        o, do = (torch.empty(b, h, s, d, dtype=torch.bfloat16) for _ in range(2))
+        return o, do, torch.empty(b, h, s), torch.empty(b, h, s)
+
+    def dot(ts, **kw):
+        bwd.launch_dot_do_o(*ts, batch=b, max_seqlen_q=s, block_m=64, num_warps=4, num_stages=1, **kw)
+        return runs[-1]
+
+    def convert(ts):
+        bwd.launch_convert_dq(*ts, scale=0.125, block_m=64, num_warps=4)
+        return runs[-1]
+
+    for launcher, make in ((dot, dot_tensors),
+                           (convert, lambda: (torch.empty(b, h, s, d), torch.empty(b, h, s, d, dtype=torch.bfloat16)))):
+        launch_cache.clear_plans()
+        launcher(make())
+        second = make()
+        planned = launcher(second)
+        launch_cache.clear_plans()
+        built = launcher(second)
+        assert planned[0] == built[0]
+        assert all(_same(x, y) for x, y in zip(planned[1], built[1], strict=True))
+    launch_cache.clear_plans()
+    ts = dot_tensors()
+    for _ in range(2):
+        dot(ts, dlse=torch.empty(b, h, s))
+    assert not bwd._DOT_DO_O_PLANS

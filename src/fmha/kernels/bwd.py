@@ -399,19 +399,36 @@ def launch_dot_do_o(o, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=Non
                     cu_seqlens_q=None, batch: int, max_seqlen_q: int,
                     block_m: int, num_warps: int, num_stages: int, **_unused) -> None:
     varlen = cu_seqlens_q is not None
+    key = None  # a plan (launch_cache) for the plain case: dense, no dlse, no sinks
+    if dlse is None and sinks is None and dsinks_rows is None and not varlen \
+            and launch_cache.plans_enabled(dot_do_o_kernel):
+        key = (o.shape, o.stride(), do.stride(), lse.shape, lse.stride(), delta.stride(), o.dtype, do.dtype,
+               o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0,
+               delta.data_ptr() % 16 == 0, launch_cache.current_device(), batch, max_seqlen_q, block_m, num_warps,
+               num_stages)
+        planned = _DOT_DO_O_PLANS.get(key)
+        if planned is not None:
+            launch_cache.run_plan(planned[0], o, do, lse, lse, delta, delta, lse, lse, *planned[1])
+            return
     nheads_q, head_dim_v = o.shape[1], o.shape[-1]
     grid = (cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
     if grid[0] == 0:
         return
-    launch_cache.launch(dot_do_o_kernel, grid,
+    tail = (*seq_strides(o, varlen), *seq_strides(do, varlen), *row_strides(lse, varlen),
+            nheads_q, max_seqlen_q, head_dim_v)
+    plan = launch_cache.make_plan(dot_do_o_kernel, grid,
         o, do, dlse if dlse is not None else lse, lse, delta,
         dsinks_rows if dsinks_rows is not None else delta, sinks if sinks is not None else lse,
-        cu_seqlens_q if varlen else lse,
-        *seq_strides(o, varlen), *seq_strides(do, varlen), *row_strides(lse, varlen),
-        nheads_q, max_seqlen_q, head_dim_v,
+        cu_seqlens_q if varlen else lse, *tail,
         IS_VARLEN=varlen, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None,
         BLOCK_M=block_m, BLOCK_DV=padded_dim(head_dim_v), num_warps=num_warps, num_stages=num_stages,
     )
+    if key is not None and plan is not None:
+        launch_cache.keep_plan(_DOT_DO_O_PLANS, key, (plan, tail))
+
+
+_DOT_DO_O_PLANS = launch_cache.plan_table()
+_CONVERT_DQ_PLANS = launch_cache.plan_table()
 
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, *, dq_acc=None, dbias=None,
@@ -503,10 +520,21 @@ def launch_delta(q, k, v, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=
 
 def launch_convert_dq(dq_acc, dq, *, scale: float, block_m: int, num_warps: int, **_unused) -> None:
     """dq (any dtype, contiguous) = scale * dq_acc (fp32, same shape, contiguous)."""
+    key = None
+    if launch_cache.plans_enabled(convert_dq_kernel):
+        key = (dq.shape, dq.dtype, dq_acc.dtype, dq_acc.data_ptr() % 16 == 0, dq.data_ptr() % 16 == 0,
+               launch_cache.current_device(), scale, block_m, num_warps)
+        planned = _CONVERT_DQ_PLANS.get(key)
+        if planned is not None:
+            launch_cache.run_plan(planned[0], dq_acc, dq, *planned[1])
+            return
     head_dim = dq.shape[-1]
     n_rows = dq.numel() // max(head_dim, 1)
     if n_rows == 0:
         return
     grid = (cdiv(n_rows, block_m),)
-    launch_cache.launch(convert_dq_kernel, grid, dq_acc, dq, n_rows, head_dim, scale, head_dim, head_dim,
-                            BLOCK_R=block_m, BLOCK_D=padded_dim(head_dim), num_warps=num_warps)
+    tail = (n_rows, head_dim, scale, head_dim, head_dim)
+    plan = launch_cache.make_plan(convert_dq_kernel, grid, dq_acc, dq, *tail,
+                                  BLOCK_R=block_m, BLOCK_D=padded_dim(head_dim), num_warps=num_warps)
+    if key is not None and plan is not None:
+        launch_cache.keep_plan(_CONVERT_DQ_PLANS, key, (plan, tail))

@@ -1153,6 +1153,19 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     persistent (warp_specialized): one program per SM walks the key tiles
     (bwd_dkdv_ws_kernel's PERSISTENT; causal tile order `preferred_tile_order`, pairs where
     heads outermost would unbalance the programs: persistent_schedule.causal_tile_order)."""
+    key = None
+    if launch_cache.plans_enabled(bwd_dkdv_ws_kernel):
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), do.stride(), lse.shape, lse.stride(),
+               delta.stride(), dq_acc.stride(), dk.stride(), dv.stride(), q.dtype, dk.dtype, dv.dtype, lse.dtype,
+               delta.dtype, dq_acc.dtype, lse.data_ptr() % 16, delta.data_ptr() % 16, dq_acc.data_ptr() % 16,
+               dk.data_ptr() % 16 == 0, dv.data_ptr() % 16 == 0, q.get_device(), launch_cache.current_device(),
+               id(SHAPES), causal, align_bottom_right, scale, block_m, block_n, num_stages, num_warps,
+               warp_specialized, persistent)
+        planned = _PLANS.get(key)
+        if planned is not None:
+            launch_cache.run_plan(planned.plan, *_tensor_args(q, k, v, do, lse, delta, dk, dv, dq_acc, *planned.how),
+                                  *planned.tail)
+            return
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
@@ -1175,13 +1188,36 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     if warp_specialized and not (dq_tma or dq_quads_aligned(dq_acc)):
         raise ValueError("dq_acc: the warp-specialized dK/dV kernel adds dQ in 16-byte quads; "
                          f"got data_ptr % 16 = {dq_acc.data_ptr() % 16}, strides {dq_acc.stride()}")
-    args = (descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m),
+    how = (block_m, block_n, stats_tma, dq_tma, reduce_cols)
+    # (after the tensors: every argument fixed by the key)
+    tail = (*lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+            seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale)
+    plan = launch_cache.make_plan(kernel, grid, *_tensor_args(q, k, v, do, lse, delta, dk, dv, dq_acc, *how), *tail,
+                                  **constexprs, **options)
+    if key is not None and plan is not None:
+        launch_cache.keep_plan(_PLANS, key, _Planned(plan, how, tail))
+
+
+def _tensor_args(q, k, v, do, lse, delta, dk, dv, dq_acc, block_m, block_n, stats_tma, dq_tma, reduce_cols) -> tuple:
+    """The dK/dV kernels' leading arguments, those of the call's tensors (TMA descriptors where
+    the launch uses TMA)."""
+    return (descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m),
             _stats_descriptor(lse, block_m) if stats_tma else lse,
             _stats_descriptor(delta, block_m) if stats_tma else delta,
-            descriptor(dq_acc, block_m, reduce_cols) if dq_tma else dq_acc, dk, dv,  # (rows past Sq: clipped)
-            *lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-            seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale)
-    launch_cache.launch(kernel, grid, *args, **constexprs, **options)
+            descriptor(dq_acc, block_m, reduce_cols) if dq_tma else dq_acc, dk, dv)  # (rows past Sq: clipped)
+
+
+class _Planned:
+    """`launch_dkdv`'s plan for one key (launch_cache.Plan): how the tensors are passed and the
+    arguments after them, which the key fixes."""
+
+    __slots__ = ("plan", "how", "tail")
+
+    def __init__(self, plan, how: tuple, tail: tuple) -> None:
+        self.plan, self.how, self.tail = plan, how, tail
+
+
+_PLANS = launch_cache.plan_table()
 
 
 def dq_quads_aligned(dq_acc) -> bool:

@@ -694,14 +694,24 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
 
     rescale_tau: the kernel's RESCALE_TAU (lazy O rescale, log2 units, fp16/bf16 only); None:
     `default_rescale_tau`."""
+    fp8 = q.dtype == torch.float8_e4m3fn
+    key = None
+    if not fp8 and launch_cache.plans_enabled(fwd_ws_kernel):  # (fp8 transposes V and reads descales: no plan)
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
+               lse.stride(), q.dtype, o.dtype, o.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0,
+               q.get_device(), launch_cache.current_device(), causal, align_bottom_right, scale, block_m, block_n,
+               num_stages, pingpong, persistent, tile_order, rescale_tau)
+        planned = _PLANS.get(key)
+        if planned is not None:
+            launch_cache.run_plan(planned.plan, *_tensor_args(q, k, v, o, lse, v, planned.block_n, planned.o_tma),
+                                  *planned.tail)
+            return
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
     grid = (cdiv(seqlen_q, block_m) * batch * nheads_q,)
     maxnreg, consumer_regs, producer_regs = registers(block_m)
-    q_desc = descriptor(q, WG_ROWS.value)
     o_tma = o.dtype == q.dtype and tma_aligned(o)
-    fp8 = q.dtype == torch.float8_e4m3fn
     tau = float(default_rescale_tau(head_dim, persistent, fp8) if rescale_tau is None else rescale_tau)
     check_rescale_tau(tau, fp8)
     o_buf = False
@@ -717,7 +727,6 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         if persistent and causal:
             tile_order = causal_tile_order(tile_order, batch * nheads_q, row_tiles, grid[0])
     if fp8:
-        v_desc = descriptor(_transposed(v), head_dim, block_n)
         descales = descales or (None, None, None)
         if None in descales:  # an absent descale is 1
             one = torch.ones((1, 1, 1), dtype=torch.float32, device=q.device)
@@ -727,19 +736,42 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         fp8_args = (qd, qd.stride(0), qd.stride(1), qd_group, kd, kd.stride(0), kd.stride(1),
                     vd, vd.stride(0), vd.stride(1))
     else:
-        v_desc = descriptor(v, block_n)
         fp8_args = (None, 0, 0, 1, None, 0, 0, None, 0, 0)
-    launch_cache.launch(fwd_ws_kernel, grid,
-        q_desc, descriptor(k, block_n), v_desc,
-        descriptor(o, WG_ROWS.value) if o_tma else q_desc,  # unused without O_TMA
-        o, *o.stride()[:3], lse, *lse.stride(),
-        seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE.value),
-        *fp8_args,
+    # (after the tensors: every argument fixed by the key)
+    tail = (seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE.value),
+            *fp8_args)
+    plan = launch_cache.make_plan(
+        fwd_ws_kernel, grid, *_tensor_args(q, k, v, o, lse, _transposed(v) if fp8 else v, block_n, o_tma), *tail,
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         PERSISTENT=persistent, O_BUF=o_buf, TILE_ORDER=tile_order if persistent and causal else 0,
         RESCALE_TAU=tau, num_warps=4, maxnreg=maxnreg,
     )
+    if key is not None and plan is not None:
+        launch_cache.keep_plan(_PLANS, key, _Planned(plan, block_n, o_tma, tail))
+
+
+def _tensor_args(q, k, v, o, lse, v_operand, block_n: int, o_tma: bool) -> tuple:
+    """fwd_ws_kernel's leading arguments, those of the call's tensors: the TMA descriptors
+    (v_operand: V, or fp8's transposed V), O and LSE with their strides."""
+    q_desc = descriptor(q, WG_ROWS.value)
+    return (q_desc, descriptor(k, block_n),
+            descriptor(v_operand, q.shape[3], block_n) if v_operand is not v else descriptor(v, block_n),
+            descriptor(o, WG_ROWS.value) if o_tma else q_desc,  # unused without O_TMA
+            o, *o.stride()[:3], lse, *lse.stride())
+
+
+class _Planned:
+    """`launch`'s plan for one key (launch_cache.Plan): the kernel and the arguments after the
+    tensors, which the key fixes."""
+
+    __slots__ = ("plan", "block_n", "o_tma", "tail")
+
+    def __init__(self, plan, block_n: int, o_tma: bool, tail: tuple) -> None:
+        self.plan, self.block_n, self.o_tma, self.tail = plan, block_n, o_tma, tail
+
+
+_PLANS = launch_cache.plan_table()
 
 
 def default_tile_order(head_dim: int, row_tiles: int) -> int:

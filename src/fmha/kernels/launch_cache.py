@@ -8,6 +8,14 @@ key that is cheaper to compute (the constexpr and option values as given; per ar
 value or type, see `_key_of`), and calls its launcher directly. The first call of a
 key goes through the JIT (compiling or loading from Triton's cache, with its checks); so does
 every call of an interpreted kernel.
+
+Plans go one step further for the launchers called on every Hopper call (the Gluon forward and
+dK/dV): `make_plan` launches as `launch` and returns the compiled kernel with its grid and
+trailing constexpr values; the launcher keeps it under a key of its inputs' metadata (shapes,
+strides, dtypes, alignments and its scalar arguments: everything the kernel and the non-tensor
+arguments depend on) and re-launches it with `run_plan` and the call's tensors, skipping its own
+argument work and this module's key. While `launch` is replaced (a test's spy), launchers must
+not use plans (`plans_enabled`), so that the spy sees every launch.
 """
 
 from __future__ import annotations
@@ -80,3 +88,80 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                  compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *bound),
                  knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound)
+
+
+class Plan:
+    """A launch to repeat: the compiled kernel `launch` found for a call, its grid, the values of
+    the parameters after the positional ones (constexprs and options), and the device it is
+    loaded on."""
+
+    __slots__ = ("compiled", "grid", "tail", "device")
+
+    def __init__(self, compiled, grid: tuple, tail: tuple, device: int) -> None:
+        self.compiled, self.grid, self.tail, self.device = compiled, grid, tail, device
+
+
+def make_plan(kernel, grid: tuple, *args, **kwargs) -> Plan | None:
+    """`launch(kernel, grid, *args, **kwargs)`, then the Plan that repeats it with other tensors
+    of the same metadata (None where `launch` does not cache: interpreted kernels, parameters
+    left to their defaults, tensors by keyword; and while `launch` is replaced)."""
+    launch(kernel, grid, *args, **kwargs)
+    if not plans_enabled(kernel):
+        return None
+    device = driver.active.get_current_device()
+    hit = _CACHE.get((id(kernel), device, tuple(map(_key_of, args)), tuple(kwargs.items())))
+    if hit is None:
+        return None
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    return Plan(hit[0], grid3, hit[1], device)
+
+
+def current_device() -> int:
+    """The current CUDA device (what a plan's key holds: its compiled kernel is loaded there)."""
+    return driver.active.get_current_device()
+
+
+def plans_enabled(kernel) -> bool:
+    """Whether a launcher of `kernel` may use its plans: a compiled kernel (not the
+    interpreter's), and `launch` not replaced (a spy sees every launch then). A launcher's key
+    holds `current_device()`: a plan runs where it was made."""
+    return launch is _LAUNCH and isinstance(kernel, JITFunction) and not knobs.runtime.interpret
+
+
+def run_plan(plan: Plan, *args) -> None:
+    """Launch `plan` with `args`: the same leading arguments as the call that made it (new
+    tensors of the same metadata) on the current stream of the plan's device."""
+    compiled = plan.compiled
+    bound = (*args, *plan.tail)
+    grid = plan.grid
+    stream = driver.active.get_current_stream(plan.device)
+    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+                 compiled.launch_metadata(grid, stream, *bound),
+                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound)
+
+
+_PLAN_TABLES: list[dict] = []
+PLANS_MAX = 1024  # per launcher; a full table is cleared
+
+
+def plan_table() -> dict:
+    """A launcher's table of plans (key -> its plan), registered for `clear_plans`."""
+    table: dict = {}
+    _PLAN_TABLES.append(table)
+    return table
+
+
+def keep_plan(table: dict, key, planned) -> None:
+    if len(table) >= PLANS_MAX:
+        table.clear()
+    table[key] = planned
+
+
+def clear_plans() -> None:
+    """Forget every launcher's plans (after changing what a launcher reads besides its
+    arguments, e.g. a test's monkeypatched tile shapes: the keys do not see that)."""
+    for table in _PLAN_TABLES:
+        table.clear()
+
+
+_LAUNCH = launch  # (plans_enabled: whether `launch` is still this module's own)
