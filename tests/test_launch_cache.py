@@ -223,6 +223,20 @@ def _recorded_runs(monkeypatch):
     return runs
 
 
+def _check_plan(call, make):
+    """call(make()) makes a plan, call(second) runs it, and after clear_plans call(second) takes
+    the launcher's full path: both launches must be the same. Returns the full path's launch."""
+    launch_cache.clear_plans()
+    call(make())
+    second = make()
+    planned = call(second)
+    launch_cache.clear_plans()
+    built = call(second)
+    assert planned[0] == built[0]
+    assert all(_same(a, b) for a, b in zip(planned[1], built[1], strict=True))
+    return built
+
+
 def _same(a, b) -> bool:
     """Equal launch arguments: the same tensors (by identity), descriptors over the same tensor
     with equal shape, strides, block and layout, equal other values."""
@@ -256,15 +270,8 @@ def test_forward_plan_launches_what_the_launcher_builds(monkeypatch, persistent,
                          num_stages=3, persistent=persistent)
         return runs[-1]
 
-    launch_cache.clear_plans()
-    first, second = tensors(2, 8, 2, 300), tensors(2, 8, 2, 300)
-    call(first)
+    _check_plan(call, lambda: tensors(2, 8, 2, 300))
     assert len(fwd_gluon._PLANS) == 1
-    planned = call(second)  # from the plan
-    launch_cache.clear_plans()
-    built = call(second)  # the launcher's full path
-    assert planned[0] == built[0] and len(planned[1]) == len(built[1])
-    assert all(_same(a, b) for a, b in zip(planned[1], built[1], strict=True))
     other = tensors(1, 4, 4, 700)
     call(other)
     call(other)
@@ -293,16 +300,9 @@ def test_dkdv_plan_launches_what_the_launcher_builds(monkeypatch, warp_specializ
                               num_stages=2, warp_specialized=warp_specialized, persistent=persistent)
         return runs[-1]
 
-    launch_cache.clear_plans()
-    call(tensors())
+    built = _check_plan(call, tensors)
     assert len(bwd_gluon._PLANS) == 1
-    second = tensors()
-    planned = call(second)
-    launch_cache.clear_plans()
-    built = call(second)
-    assert planned[0] == built[0]
-    assert all(_same(a, b) for a, b in zip(planned[1], built[1], strict=True))
-    assert (not hasattr(built[1][4], "block_shape")) == (not stats_aligned)  # (both paths: one key)
+    assert (not hasattr(built[1][4], "block_shape")) == (not stats_aligned)  # (LSE by TMA or by pointer)
 
 
 def test_a_spy_on_launch_sees_every_launch(monkeypatch):
@@ -344,16 +344,8 @@ def test_backward_helper_plans_launch_what_the_launchers_build(monkeypatch):
         bwd.launch_convert_dq(*ts, scale=0.125, block_m=64, num_warps=4)
         return runs[-1]
 
-    for launcher, make in ((dot, dot_tensors),
-                           (convert, lambda: (torch.empty(b, h, s, d), torch.empty(b, h, s, d, dtype=torch.bfloat16)))):
-        launch_cache.clear_plans()
-        launcher(make())
-        second = make()
-        planned = launcher(second)
-        launch_cache.clear_plans()
-        built = launcher(second)
-        assert planned[0] == built[0]
-        assert all(_same(x, y) for x, y in zip(planned[1], built[1], strict=True))
+    _check_plan(dot, dot_tensors)
+    _check_plan(convert, lambda: (torch.empty(b, h, s, d), torch.empty(b, h, s, d, dtype=torch.bfloat16)))
     launch_cache.clear_plans()
     ts = dot_tensors()
     for _ in range(2):
