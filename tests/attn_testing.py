@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -97,15 +99,9 @@ def check_backward(q, k, v, *, layout="bhsd", truth="numpy", with_dlse=False, **
     extra = {key: kw[key] for key in REF_KEYS if key in kw}
     alibi = kw.get("alibi_slopes")
     # Baseline: the same math in torch at the inputs' dtype, through torch autograd.
-    leaves = [t.detach().requires_grad_() for t in (qb, kb, vb)]
-    b_bias = None if bias is None else bias.detach().requires_grad_()
-    b_sinks = None if sinks is None else sinks.detach().requires_grad_()
-    base_o, base_lse = numerics.torch_attention(*leaves, bias=b_bias, sinks=b_sinks, alibi_slopes=alibi,
-                                                dropout_mask=mask, **extra)
-    b_outs = (base_o, base_lse) if with_dlse else (base_o,)
-    b_grads_out = (dob, dlse.to(base_lse.dtype)) if with_dlse else (dob,)
-    b_inputs = leaves + [t for t in (b_bias, b_sinks) if t is not None]
-    base = dict(zip(names, torch.autograd.grad(b_outs, b_inputs, b_grads_out), strict=True))
+    grads = functools.partial(torch_attention_grads, qb, kb, vb, dob, dlse if with_dlse else None, bias, sinks,
+                              alibi, mask, extra)
+    base = dict(zip(names, grads(None), strict=True))
     base["dq"], base["dk"], base["dv"] = (bhsd(base[n], layout) for n in ("dq", "dk", "dv"))
 
     if truth == "numpy":
@@ -116,15 +112,7 @@ def check_backward(q, k, v, *, layout="bhsd", truth="numpy", with_dlse=False, **
         ref = {n: torch.from_numpy(np.asarray(ref[n])) for n in names}
         ref["dq"], ref["dk"], ref["dv"] = (bhsd(ref[n], layout) for n in ("dq", "dk", "dv"))
     else:
-        leaves64 = [t.detach().double().requires_grad_() for t in (qb, kb, vb)]
-        r_bias = None if bias is None else bias.detach().double().requires_grad_()
-        r_sinks = None if sinks is None else sinks.detach().double().requires_grad_()
-        r_o, r_lse = numerics.torch_attention(*leaves64, compute_dtype=torch.float64, bias=r_bias,
-                                              sinks=r_sinks, alibi_slopes=alibi, dropout_mask=mask, **extra)
-        r_outs = (r_o, r_lse) if with_dlse else (r_o,)
-        r_grads = (dob.double(), dlse.double()) if with_dlse else (dob.double(),)
-        r_inputs = leaves64 + [t for t in (r_bias, r_sinks) if t is not None]
-        ref = dict(zip(names, torch.autograd.grad(r_outs, r_inputs, r_grads), strict=True))
+        ref = dict(zip(names, grads(torch.float64), strict=True))
         ref["dq"], ref["dk"], ref["dv"] = (bhsd(ref[n], layout) for n in ("dq", "dk", "dv"))
     for n in names:
         assert ours[n].shape == ref[n].shape, (n, ours[n].shape, ref[n].shape)
@@ -132,3 +120,41 @@ def check_backward(q, k, v, *, layout="bhsd", truth="numpy", with_dlse=False, **
         c = numerics.compare(n, ours[n], ref[n], base[n], q.dtype)
         assert c.ok, str(c)
     return ours
+
+
+def torch_attention_grads(qb, kb, vb, dob, dlse, bias, sinks, alibi, mask, extra, dtype):
+    """Gradients (dq, dk, dv[, dbias][, dsinks]) of `numerics.torch_attention` (bhsd) by torch
+    autograd, in `dtype` (float64: the truth; None: the inputs' dtype, the 2x rule's baseline),
+    one batch element at a time: the (Hq, Sq, Sk) intermediates of one element, not of all B
+    (B=16 S=1024 in float64 held ~25 GB at once, which parallel GPU test runs ran out of).
+    The elements are independent; a bias or sinks shared by the batch sums its gradients."""
+    def cast(t):
+        t = t.detach()
+        return (t.to(dtype) if dtype is not None else t).requires_grad_()
+
+    def element(t, b, batch_dim=4):  # t[b:b+1] where t has a batch dimension of extent > 1
+        return t[b:b + 1] if t is not None and t.dim() == batch_dim and t.shape[0] > 1 else t
+
+    batch = qb.shape[0]
+    parts = []
+    for b in range(batch):
+        leaves = [cast(t[b:b + 1]) for t in (qb, kb, vb)]
+        r_bias = None if bias is None else cast(element(bias, b))
+        r_sinks = None if sinks is None else cast(sinks)
+        o, lse = numerics.torch_attention(*leaves, compute_dtype=dtype, bias=r_bias, sinks=r_sinks,
+                                          alibi_slopes=element(alibi, b, 2), dropout_mask=element(mask, b), **extra)
+        outs, grads_out = [o], [dob[b:b + 1].to(o.dtype)]
+        if dlse is not None:
+            outs.append(lse)
+            grads_out.append(dlse[b:b + 1].to(lse.dtype))
+        inputs = leaves + [t for t in (r_bias, r_sinks) if t is not None]
+        parts.append(torch.autograd.grad(outs, inputs, grads_out))
+    result = [torch.cat([p[i] for p in parts]) for i in range(3)]
+    i = 3
+    if bias is not None:
+        per_element = bias.dim() == 4 and bias.shape[0] > 1
+        result.append(torch.cat([p[i] for p in parts]) if per_element else sum(p[i] for p in parts))
+        i += 1
+    if sinks is not None:
+        result.append(sum(p[i] for p in parts))
+    return result

@@ -104,3 +104,32 @@ def test_torch_attention_without_keys_gives_zero_rows_and_minus_inf_lse():
     sinks = torch.tensor([0.5, -1.0])
     _, lse = numerics.torch_attention(q, empty, empty, sinks=sinks)
     assert torch.allclose(lse, sinks[None, :, None].expand(1, 2, 3))
+
+
+@pytest.mark.parametrize("bias_shape", [None, (1, 4, 9, 13), (3, 4, 9, 13), (9, 13)])
+def test_per_element_truth_gradients_equal_whole_batch_autograd(rng, bias_shape):
+    """attn_testing.torch_attention_grads (one batch element at a time, to bound the float64
+    truth's memory) gives the gradients of autograd over the whole batch: GQA, causal, ALiBi
+    per (batch, head), dropout, sinks, a bias shared by or per batch element, dlse."""
+    from attn_testing import torch_attention_grads
+
+    B, Hq, Hk, Sq, Sk = 3, 4, 2, 9, 13
+    q, do = (randn((B, Hq, Sq, 8), torch.float32, rng) for _ in range(2))
+    k, v = (randn((B, Hk, Sk, 8), torch.float32, rng) for _ in range(2))
+    bias = None if bias_shape is None else randn(bias_shape, torch.float32, rng)
+    sinks, dlse = randn((Hq,), torch.float32, rng), randn((B, Hq, Sq), torch.float32, rng)
+    alibi = torch.rand(B, Hq, generator=rng)
+    mask = torch.rand(B, Hq, Sq, Sk, generator=rng) > 0.3
+    extra = dict(causal=True, dropout_p=0.3)
+    got = torch_attention_grads(q, k, v, do, dlse, bias, sinks, alibi, mask, extra, torch.float64)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    r_bias = None if bias is None else bias.double().requires_grad_()
+    r_sinks = sinks.double().requires_grad_()
+    o, lse = numerics.torch_attention(*leaves, compute_dtype=torch.float64, bias=r_bias, sinks=r_sinks,
+                                      alibi_slopes=alibi, dropout_mask=mask, **extra)
+    inputs = leaves + ([r_bias] if bias is not None else []) + [r_sinks]
+    want = torch.autograd.grad((o, lse), inputs, (do.double(), dlse.double()))
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == torch.float64
+        assert torch.allclose(g, w, rtol=1e-12, atol=1e-12)
