@@ -351,3 +351,54 @@ def test_backward_helper_plans_launch_what_the_launchers_build(monkeypatch):
     for _ in range(2):
         dot(ts, dlse=torch.empty(b, h, s))
     assert not bwd._DOT_DO_O_PLANS
+
+
+@pytest.mark.parametrize("tables", ["contiguous", "block_table", "indptr"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_plans_launch_what_the_launchers_build(monkeypatch, tables, num_splits):
+    """kernels/kvcache.launch_attention (plain decode: contiguous cache, block table or
+    FlashInfer indptr tables; one split or four into fp32 partials) and launch_combine: a plan
+    run passes what the full launcher builds; a call with ALiBi never takes a plan."""
+    from fmha.kernels import kvcache
+
+    runs = _recorded_runs(monkeypatch)
+    b, hq, hk, d, page, pages = 3, 8, 2, 128, 16, 40
+
+    def tensors():
+        q = torch.empty(b, 1, hq, d, dtype=torch.bfloat16)
+        if tables == "contiguous":
+            cache = torch.empty(b, page * 8, hk, d, dtype=torch.bfloat16)
+            kw = dict(seqlens_k=torch.full((b,), 100, dtype=torch.int32))
+        else:
+            cache = torch.empty(pages, page, hk, d, dtype=torch.bfloat16)
+            ids = torch.arange(b * 8, dtype=torch.int32)
+            kw = (dict(block_table=ids.reshape(b, 8), seqlens_k=torch.full((b,), 100, dtype=torch.int32))
+                  if tables == "block_table" else
+                  dict(block_table=ids, kv_indptr=torch.arange(0, b * 8 + 1, 8, dtype=torch.int32),
+                       kv_last_page_len=torch.full((b,), 4, dtype=torch.int32)))
+        if num_splits == 1:
+            o, lse = torch.empty(b, 1, hq, d, dtype=torch.bfloat16), torch.empty(b, hq, 1)
+        else:
+            o, lse = torch.empty(num_splits, b, hq, 1, d), torch.empty(num_splits, b, hq, 1)
+        return (q, cache, cache.clone(), o, lse), kw
+
+    def attention(made, **extra):
+        args, kw = made
+        kvcache.launch_attention(*args, **kw, **extra, num_splits=num_splits, scale=0.088, softcap=0.0,
+                                 window=(-1, -1), sink_size=0, align_bottom_right=True, block_m=16, block_n=64,
+                                 num_warps=4, num_stages=2, dot_precision="ieee")
+        return runs[-1]
+
+    def combine(ts):
+        kvcache.launch_combine(*ts, nheads=hq, seqlen=1, block_m=16, num_warps=4)
+        return runs[-1]
+
+    _check_plan(attention, tensors)
+    assert len(kvcache._ATTENTION_PLANS) == 1
+    _check_plan(combine, lambda: (torch.empty(4, b * hq, d), torch.empty(4, b * hq),
+                                  torch.empty(b, 1, hq, d, dtype=torch.bfloat16), torch.empty(b, hq, 1)))
+    launch_cache.clear_plans()
+    made = tensors()
+    for _ in range(2):
+        attention(made, alibi_slopes=torch.rand(1, hq))
+    assert not kvcache._ATTENTION_PLANS

@@ -11,7 +11,8 @@ with their launchers' host work: descriptors, kernel specs, `launch_cache` keys;
 
 Decode: `fmha.attention_with_kvcache` at the decode bench's 32k shape (B=8 Hq=32 Hk=8
 D=128 bf16, Sq=1, pages of 64), through a block table and through FlashInfer/SGLang tables,
-with the split count picked (num_splits=0) and forced.
+with the split count picked (num_splits=0) and forced; launchers stubbed whole, then ("H200
+path" lines) the real launchers with only the final launch stubbed.
 The decode calls take the path of CUDA tensors on an H200: dispatch for sm90 with 132
 SMs (so num_splits=0 picks 4 splits and the combine kernel runs) and no host-side checks
 of index values (CUDA tensors skip them outside debug mode). Device ops on CPU tensors are
@@ -134,13 +135,25 @@ def decode_tables(B=8, Hq=32, Hk=8, S=32768, D=128, page=64):
     return q, pool, block, indptr
 
 
-def decode_cases() -> dict:
+def stub_decode_launches_h200() -> None:
+    """Decode calls on the H200's path with the real launchers (compiled module: arguments,
+    launch plans), only the final launch stubbed (`launch_cache` hits a no-op kernel)."""
     stub_decode_launches()
+    kvcache.family_module = lambda name, interpreted=False: loader.family_module(name, interpreted=False)
+    launch_cache._CACHE = _AlwaysHit()
+    launch_cache.driver = types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: 0))
+    torch.cuda.current_device = lambda: 0
+
+
+def decode_cases(h200: bool = False) -> dict:
+    """The decode calls: launchers stubbed whole, or (h200) on the H200 path with real launchers."""
+    (stub_decode_launches_h200 if h200 else stub_decode_launches)()
     q, pool, block, indptr = decode_tables()
     cases = {}
     for form, tables in (("block_table", block), ("indptr", indptr)):
         for splits in (0, 4, 1):
-            name = f"attention_with_kvcache {form} num_splits={splits}"
+            name = f"attention_with_kvcache {form} num_splits={splits}" + (" (H200 path)" if h200 else "")
             cases[name] = (lambda t=tables, s=splits: fmha.attention_with_kvcache(q, pool, pool, **t, num_splits=s))
     return cases
 
@@ -151,7 +164,7 @@ def main() -> int:
     if "--decode-only" not in sys.argv:
         groups += [dense_cases, lambda: dense_cases(h200=True)]
     if "--dense-only" not in sys.argv:
-        groups.append(decode_cases)
+        groups += [decode_cases, lambda: decode_cases(h200=True)]
     for group in groups:
         for name, fn in group().items():
             print(f"{name:<67} {per_call_us(fn, max(1, calls // 5)):7.1f} us/call")

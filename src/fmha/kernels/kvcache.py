@@ -408,6 +408,27 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
     `launch_combine` reads them.
     """
     varlen = cu_seqlens_q is not None
+    # the kernel's SeqlensK: the key counts, or kv_last_page_len with indptr tables
+    lengths = kv_last_page_len if kv_indptr is not None else seqlens_k
+    if lengths is None:
+        raise ValueError("launch_attention needs seqlens_k, or kv_last_page_len with kv_indptr")
+    key = None  # a plan (launch_cache) for the plain decode: no ALiBi, sinks, batch index, varlen or fp8
+    if (alibi_slopes is None and sinks is None and cache_batch_idx is None and not varlen
+            and k_cache.element_size() > 1 and launch_cache.plans_enabled(splitkv_kernel)):
+        tables = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) if t is not None else None
+                       for t in (block_table, kv_indptr))
+        key = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), o.shape,
+               o.stride(), lse.shape, lse.stride(), q.dtype, k_cache.dtype, v_cache.dtype, o.dtype, lse.dtype,
+               lengths.dtype, q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0,
+               o.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, lengths.data_ptr() % 16 == 0, tables,
+               launch_cache.current_device(), num_splits, scale, softcap, window, sink_size, align_bottom_right,
+               block_m, block_n, num_warps, num_stages, dot_precision)
+        planned = _ATTENTION_PLANS.get(key)
+        if planned is not None:
+            launch_cache.run_plan(planned[0], *_attention_tensors(q, k_cache, v_cache, o, lse, lengths, None, None,
+                                                                  block_table, kv_indptr, None, None),
+                                  *planned[1])
+            return
     if varlen:
         batch, seqlen_q = cu_seqlens_q.numel() - 1, max_seqlen_q
         nheads_q, head_dim_qk = q.shape[1], q.shape[2]
@@ -424,29 +445,23 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
     else:
         o_strides = (o.stride(1), o.stride(3), o.stride(2), o.stride(0)) if split else (*o.stride()[:3], 0)
         lse_strides = (lse.stride(1), lse.stride(2), lse.stride(3), lse.stride(0)) if split else (*lse.stride(), 0)
-    # the kernel's SeqlensK: the key counts, or kv_last_page_len with indptr tables
-    lengths = kv_last_page_len if kv_indptr is not None else seqlens_k
-    if lengths is None:
-        raise ValueError("launch_attention needs seqlens_k, or kv_last_page_len with kv_indptr")
-    dummy = lengths
     left, right = window
     grid = (cdiv(seqlen_q * (nheads_q // nheads_k), block_m) * batch * nheads_k * num_splits,)
     if grid[0] == 0:
         return
     paging = _paging(block_table, kv_indptr, k_cache.shape[1], block_n)
-    launch_cache.launch(splitkv_kernel, grid,
-        q, k_cache, v_cache, o, lse,
-        alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
-        block_table if block_table is not None else dummy, kv_indptr if kv_indptr is not None else dummy,
-        cache_batch_idx if cache_batch_idx is not None else dummy, lengths,
-        cu_seqlens_q if varlen else dummy,
-        *q_strides,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *o_strides, *lse_strides,
-        paging.pop("stride_btb"), paging.pop("page_size"), *alibi_strides(alibi_slopes),
-        batch, nheads_q, nheads_q // nheads_k, seqlen_q, head_dim_qk, head_dim_v, num_splits,
-        scale, softcap, left, right, sink_size,
+    # (after the tensors: every argument fixed by the plan's key)
+    tail = (*q_strides,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            *o_strides, *lse_strides,
+            paging.pop("stride_btb"), paging.pop("page_size"), *alibi_strides(alibi_slopes),
+            batch, nheads_q, nheads_q // nheads_k, seqlen_q, head_dim_qk, head_dim_v, num_splits,
+            scale, softcap, left, right, sink_size)
+    plan = launch_cache.make_plan(splitkv_kernel, grid,
+        *_attention_tensors(q, k_cache, v_cache, o, lse, lengths, alibi_slopes, sinks, block_table, kv_indptr,
+                            cache_batch_idx, cu_seqlens_q),
+        *tail,
         **paging, OFFSETS_32=_offsets_fit_int32(k_cache, v_cache),
         KV_SAME_STRIDES=_same_strides(k_cache, v_cache),
         HAS_CACHE_BATCH_IDX=cache_batch_idx is not None, IS_VARLEN=varlen,
@@ -456,6 +471,22 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=padded_dim(head_dim_qk), BLOCK_DV=padded_dim(head_dim_v),
         num_warps=num_warps, num_stages=num_stages, **_fp8_args(k_cache, k_descale, v_descale),
     )
+    if key is not None and plan is not None:
+        launch_cache.keep_plan(_ATTENTION_PLANS, key, (plan, tail))
+
+
+def _attention_tensors(q, k_cache, v_cache, o, lse, lengths, alibi_slopes, sinks, block_table, kv_indptr,
+                       cache_batch_idx, cu_seqlens_q) -> tuple:
+    """splitkv_kernel's leading (tensor) arguments; `lengths` stands in for the absent ones."""
+    def given(t):
+        return t if t is not None else lengths
+
+    return (q, k_cache, v_cache, o, lse, given(alibi_slopes), given(sinks), given(block_table), given(kv_indptr),
+            given(cache_batch_idx), lengths, given(cu_seqlens_q))
+
+
+_ATTENTION_PLANS = launch_cache.plan_table()
+_COMBINE_PLANS = launch_cache.plan_table()
 
 
 def _fp8_args(k_cache, k_descale, v_descale) -> dict:
@@ -482,17 +513,29 @@ def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sink
 
     o is addressed as (B, Sq, H, D) [strides of o.permute], lse as (B, H, Sq).
     """
+    key = None
+    if sinks is None and launch_cache.plans_enabled(combine_kernel):
+        key = (o_parts.shape, o_parts.stride(), lse_parts.shape, lse_parts.stride(), o.shape, o.stride(), lse.shape,
+               lse.stride(), o_parts.dtype, o.dtype, o_parts.data_ptr() % 16 == 0, lse_parts.data_ptr() % 16 == 0,
+               o.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, launch_cache.current_device(), nheads, seqlen,
+               block_m, num_warps)
+        planned = _COMBINE_PLANS.get(key)
+        if planned is not None:
+            launch_cache.run_plan(planned[0], o_parts, lse_parts, o, lse, lse, *planned[1])
+            return
     n_parts, n_rows, head_dim = o_parts.shape
     if n_rows == 0:
         return
     grid = (cdiv(n_rows, block_m),)
-    launch_cache.launch(combine_kernel, grid,
-        o_parts, lse_parts, o, lse, sinks if sinks is not None else lse,
-        n_parts, n_rows, nheads, seqlen, head_dim,
-        o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0),
-        o.stride(0), o.stride(2), o.stride(1), lse.stride(0), lse.stride(1), lse.stride(2),
+    tail = (n_parts, n_rows, nheads, seqlen, head_dim,
+            o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0),
+            o.stride(0), o.stride(2), o.stride(1), lse.stride(0), lse.stride(1), lse.stride(2))
+    plan = launch_cache.make_plan(combine_kernel, grid,
+        o_parts, lse_parts, o, lse, sinks if sinks is not None else lse, *tail,
         HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_D=padded_dim(head_dim), num_warps=num_warps,
     )
+    if key is not None and plan is not None:
+        launch_cache.keep_plan(_COMBINE_PLANS, key, (plan, tail))
 
 
 def launch_rotary_append(src, dst, *, base, cos=None, sin=None, interleaved=False, block_table=None,
