@@ -703,7 +703,7 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
                num_stages, pingpong, persistent, tile_order, rescale_tau)
         planned = _PLANS.get(key)
         if planned is not None:
-            launch_cache.run_plan(planned.plan, *_tensor_args(q, k, v, o, lse, v, planned.block_n, planned.o_tma),
+            launch_cache.run_plan(planned.plan, *_tensor_args(q, k, v, o, lse, planned.block_n, planned.o_tma, False),
                                   *planned.tail)
             return
     batch, nheads_q, seqlen_q, head_dim = q.shape
@@ -741,7 +741,7 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     tail = (seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE.value),
             *fp8_args)
     plan = launch_cache.make_plan(
-        fwd_ws_kernel, grid, *_tensor_args(q, k, v, o, lse, _transposed(v) if fp8 else v, block_n, o_tma), *tail,
+        fwd_ws_kernel, grid, *_tensor_args(q, k, v, o, lse, block_n, o_tma, fp8), *tail,
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         PERSISTENT=persistent, O_BUF=o_buf, TILE_ORDER=tile_order if persistent and causal else 0,
@@ -751,12 +751,12 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         launch_cache.keep_plan(_PLANS, key, _Planned(plan, block_n, o_tma, tail))
 
 
-def _tensor_args(q, k, v, o, lse, v_operand, block_n: int, o_tma: bool) -> tuple:
+def _tensor_args(q, k, v, o, lse, block_n: int, o_tma: bool, fp8: bool) -> tuple:
     """fwd_ws_kernel's leading arguments, those of the call's tensors: the TMA descriptors
-    (v_operand: V, or fp8's transposed V), O and LSE with their strides."""
+    (fp8: of V transposed into a scratch buffer), O and LSE with their strides."""
     q_desc = descriptor(q, WG_ROWS.value)
     return (q_desc, descriptor(k, block_n),
-            descriptor(v_operand, q.shape[3], block_n) if v_operand is not v else descriptor(v, block_n),
+            descriptor(_transposed(v), q.shape[3], block_n) if fp8 else descriptor(v, block_n),
             descriptor(o, WG_ROWS.value) if o_tma else q_desc,  # unused without O_TMA
             o, *o.stride()[:3], lse, *lse.stride())
 

@@ -64,9 +64,15 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)`. args: the kernel's leading parameters, positionally;
     kwargs: every later parameter (constexprs) by name, then launch options (num_warps, ...).
     Calls that leave a parameter to its default or pass a tensor by keyword are not cached."""
+    _launch(kernel, grid, args, kwargs)
+
+
+def _launch(kernel, grid: tuple, args: tuple, kwargs: dict):
+    """`launch`; returns (the cache entry this call used or stored, the current device), or
+    None where the call is not cached."""
     if not isinstance(kernel, JITFunction) or knobs.runtime.interpret:
         kernel[grid](*args, **kwargs)
-        return
+        return None
     device = driver.active.get_current_device()
     key = (id(kernel), device, tuple(map(_key_of, args)), tuple(kwargs.items()))
     hit = _CACHE.get(key)
@@ -75,18 +81,26 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         names = kernel.arg_names[len(args):]
         if (compiled is None or not set(names) <= kwargs.keys()
                 or not all(type(x) in _PLAIN for x in kwargs.values())):
-            return  # (parameters left to their defaults, or tensors by keyword: the JIT binds each call)
+            return None  # (parameters left to their defaults, or tensors by keyword: the JIT binds each call)
         if hasattr(compiled, "result"):  # an asynchronous compile's future
             compiled = compiled.result()
         if len(_CACHE) >= _CACHE_MAX:
             _CACHE.clear()
         _CACHE[key] = (compiled, tuple(kwargs[n] for n in names), kernel)  # (kernel: keeps its id)
-        return
-    compiled, tail, _ = hit
-    bound = (*args, *tail)
+        return _CACHE[key], device
+    _run(hit[0], _grid3(grid), device, (*args, *hit[1]))
+    return hit, device
+
+
+def _grid3(grid: tuple) -> tuple:
+    return grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+
+
+def _run(compiled, grid: tuple, device: int, bound: tuple) -> None:
+    """The compiled kernel's own launcher, on the current stream of `device` (grid: 3 values)."""
     stream = driver.active.get_current_stream(device)
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                 compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *bound),
+    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+                 compiled.launch_metadata(grid, stream, *bound),
                  knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound)
 
 
@@ -105,15 +119,14 @@ def make_plan(kernel, grid: tuple, *args, **kwargs) -> Plan | None:
     """`launch(kernel, grid, *args, **kwargs)`, then the Plan that repeats it with other tensors
     of the same metadata (None where `launch` does not cache: interpreted kernels, parameters
     left to their defaults, tensors by keyword; and while `launch` is replaced)."""
-    launch(kernel, grid, *args, **kwargs)
     if not plans_enabled(kernel):
+        launch(kernel, grid, *args, **kwargs)  # (a spy's, if one replaced it)
         return None
-    device = driver.active.get_current_device()
-    hit = _CACHE.get((id(kernel), device, tuple(map(_key_of, args)), tuple(kwargs.items())))
-    if hit is None:
+    cached = _launch(kernel, grid, args, kwargs)
+    if cached is None:
         return None
-    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    return Plan(hit[0], grid3, hit[1], device)
+    (compiled, tail, _), device = cached
+    return Plan(compiled, _grid3(grid), tail, device)
 
 
 def current_device() -> int:
@@ -131,13 +144,7 @@ def plans_enabled(kernel) -> bool:
 def run_plan(plan: Plan, *args) -> None:
     """Launch `plan` with `args`: the same leading arguments as the call that made it (new
     tensors of the same metadata) on the current stream of the plan's device."""
-    compiled = plan.compiled
-    bound = (*args, *plan.tail)
-    grid = plan.grid
-    stream = driver.active.get_current_stream(plan.device)
-    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata(grid, stream, *bound),
-                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound)
+    _run(plan.compiled, plan.grid, plan.device, (*args, *plan.tail))
 
 
 _PLAN_TABLES: list[dict] = []
