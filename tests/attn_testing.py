@@ -6,6 +6,7 @@ import functools
 
 import numpy as np
 import torch
+import torch.utils._python_dispatch
 
 import fmha
 from fmha import numerics, reference
@@ -158,3 +159,15 @@ def torch_attention_grads(qb, kb, vb, dob, dlse, bias, sinks, alibi, mask, extra
     if sinks is not None:
         result.append(sum(p[i] for p in parts))
     return result
+
+
+class SeenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that records the name of every op it sees (which ops a call runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

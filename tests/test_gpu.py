@@ -30,6 +30,29 @@ def test_forward_realistic(rng, dtype, causal, head_dim):
     check_attention(q, k, v, causal=causal, truth="torch64")
 
 
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_planned_calls_match_the_truth(rng, dtype, layout, causal, head_dim):
+    """Repeated calls take the api's call plans and the launchers' plans, launched through
+    Triton's C launcher directly (kernels/launch_cache.py): the forward and the eager backward of
+    a second call with new inputs of the same metadata, against the float64 truth."""
+    from fmha import api
+    from fmha.kernels import bwd_gluon, fwd_gluon
+
+    for _ in range(2):  # the first call of each makes the plans, the second runs them
+        q, k, v = qkv(rng, dtype, layout=layout, batch=2, nhead_q=8, nhead_k=2, seqlen_q=1024, seqlen_k=1024,
+                      head_dim=head_dim)
+        with torch.no_grad():
+            check_attention(q, k, v, layout=layout, causal=causal, truth="torch64")
+        check_backward(q, k, v, layout=layout, causal=causal, truth="torch64")
+    assert len(api._FORWARD_PLANS) == 1 and len(api._BACKWARD_PLANS) == 1
+    (planned,) = api._FORWARD_PLANS.values()
+    assert planned.launched is not None and planned.launched.plan.direct is not None
+    assert all(p.plan.direct is not None for p in (*fwd_gluon._PLANS.values(), *bwd_gluon._PLANS.values()))
+
+
 @pytest.mark.parametrize("seqlen", [8192, 16384])
 def test_forward_long_sequences(rng, seqlen):
     q, k, v = qkv(rng, torch.bfloat16, batch=1, nhead_q=2, nhead_k=1, seqlen_q=seqlen,

@@ -5,7 +5,6 @@ import inspect
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fmha
 from fmha import api
@@ -14,17 +13,7 @@ from fmha.dispatcher import Dispatcher
 from fmha.problem import DType, Problem
 from fmha.registry import default_registry
 
-from attn_testing import make_qkv
-
-
-class _SeenOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+from attn_testing import SeenOps, make_qkv
 
 
 def _qkv(rng, requires_grad=False):
@@ -71,7 +60,7 @@ def test_eager_autograd_function_matches_the_registered_op(rng):
 
 def test_dispatch_modes_and_torch_function_modes_see_the_op(rng):
     q, k, v = _qkv(rng)
-    with _SeenOps() as mode:
+    with SeenOps() as mode:
         fmha.attention(q, k, v)
     assert any("fmha.fwd" in op for op in mode.ops), mode.ops
     with torch.device("cpu"):  # a torch-function mode

@@ -402,3 +402,242 @@ def test_decode_plans_launch_what_the_launchers_build(monkeypatch, tables, num_s
     for _ in range(2):
         attention(made, alibi_slopes=torch.rand(1, hq))
     assert not kvcache._ATTENTION_PLANS
+
+
+class _CLauncher:
+    """Stands in for Triton's compiled C launcher (`mod.launch`): records its arguments. An
+    object, so it has no closure (a kernel without descriptors gets it unwrapped)."""
+
+    def __init__(self) -> None:
+        self.calls = []
+        self.wrapped = 0  # (calls that came through Triton's CudaLauncher.__call__)
+
+    def __call__(self, *args) -> None:
+        self.calls.append(args)
+
+
+def _triton_launchers(monkeypatch, bound: tuple):
+    """The launch cache answering every key with a compiled kernel whose `run` is Triton's own
+    CudaLauncher.__call__ and descriptor wrapper (`wrap_handle_tensordesc`) around a recording
+    C launcher, for a kernel with `bound`'s arguments (descriptors where `bound` has them);
+    TMA encoding by a stand-in that returns what it was given."""
+    import types
+
+    import triton
+    from triton.backends.nvidia import driver as nvidia
+
+    c_launch = _CLauncher()
+    is_desc = [hasattr(a, "block_shape") for a in bound]
+    signature = {i: "tensordesc<bf16[1,1,64,64]>" if d else "i32" for i, d in enumerate(is_desc)}
+    metas = [dict(swizzle=3, elem_size=2, elem_type=i, block_size=[1, 1, 64 + i, 64], fp4_padded=False)
+             for i in range(sum(is_desc))]
+    class CountingLauncher(nvidia.CudaLauncher):
+        """Triton's launcher, counting the calls that go through its Python __call__."""
+
+        def __call__(self, *args):
+            c_launch.wrapped += 1
+            super().__call__(*args)
+
+    runner = object.__new__(CountingLauncher)
+    runner.launch = nvidia.wrap_handle_tensordesc(c_launch, signature, metas if metas else None)
+    runner.num_ctas, runner.launch_cooperative_grid, runner.launch_pdl = 1, False, False
+    runner.global_scratch_size = runner.profile_scratch_size = 0
+    runner.global_scratch_align = runner.profile_scratch_align = 1
+    compiled = types.SimpleNamespace(run=runner, function=7, packed_metadata=(4, 1, 0),
+                                     launch_metadata=lambda grid, stream, *args: None)
+
+    class AlwaysHit(dict):
+        def get(self, key, default=None):
+            return compiled, (), None
+
+    utils = types.SimpleNamespace(fill_tma_descriptor=lambda *a: ("tma", *map(repr, a)))
+    monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace(utils=utils))
+    active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 5)
+    monkeypatch.setattr(launch_cache, "_CACHE", AlwaysHit())
+    monkeypatch.setattr(launch_cache, "driver", types.SimpleNamespace(active=active))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return c_launch
+
+
+def _check_direct_plan(monkeypatch, call, make):
+    """A plan's direct launch (Triton's C launcher called without its Python wrapper, the
+    descriptors encoded by launch_cache) passes the C launcher exactly what Triton's own launch
+    path passes it for the same tensors."""
+    runs = _recorded_runs(monkeypatch)
+    launch_cache.clear_plans()
+    call(make())
+    c_launch = _triton_launchers(monkeypatch, runs[-1][1])
+    launch_cache.clear_plans()
+    call(make())
+    second = make()
+    wrapped = c_launch.wrapped
+    call(second)  # the plan, direct
+    planned = c_launch.calls[-1]
+    assert c_launch.wrapped == wrapped
+    launch_cache.clear_plans()
+    call(second)  # the full path: CudaLauncher.__call__ and Triton's descriptor wrapper
+    built = c_launch.calls[-1]
+    assert c_launch.wrapped == wrapped + 1 and len(c_launch.calls) == 3
+    assert len(planned) == len(built)
+    for a, b in zip(planned, built, strict=True):
+        assert a is b if isinstance(a, torch.Tensor) else (type(a) is type(b) and a == b), (a, b)
+    return planned, built
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("o_dtype", [torch.bfloat16, torch.float32])
+def test_forward_direct_plan_passes_what_triton_passes(monkeypatch, persistent, o_dtype):
+    from fmha.kernels import fwd_gluon
+
+    monkeypatch.setattr(fwd_gluon, "_sm_count", lambda device: 132)
+
+    def tensors():
+        q, k, v = (torch.empty(2, 4, 300, 64, dtype=torch.bfloat16) for _ in range(3))
+        return q, k, v, torch.empty(2, 4, 300, 64, dtype=o_dtype), torch.empty(2, 4, 300)
+
+    def call(ts):
+        fwd_gluon.launch(*ts, causal=True, align_bottom_right=True, scale=0.125, block_m=128, block_n=128,
+                         num_stages=3, persistent=persistent)
+
+    planned, _ = _check_direct_plan(monkeypatch, call, tensors)
+    assert sum(isinstance(a, tuple) and a[:1] == ("tma",) for a in planned) == 4  # q, k, v, o (or q again)
+
+
+@pytest.mark.parametrize("stats_aligned", [True, False])
+def test_dkdv_direct_plan_passes_what_triton_passes(monkeypatch, stats_aligned):
+    from fmha.kernels import bwd_gluon
+
+    monkeypatch.setattr(bwd_gluon, "_sm_count", lambda device: 132)
+    sq = 1000 if stats_aligned else 1001
+
+    def tensors():
+        q, do = (torch.empty(2, 8, sq, 128, dtype=torch.bfloat16) for _ in range(2))
+        k, v, dk, dv = (torch.empty(2, 2, 900, 128, dtype=torch.bfloat16) for _ in range(4))
+        return q, k, v, do, torch.empty(2, 8, sq), torch.empty(2, 8, sq), dk, dv, torch.zeros(2, 8, sq, 128)
+
+    def call(ts):
+        bwd_gluon.launch_dkdv(*ts, causal=True, align_bottom_right=False, scale=0.088, block_m=64, block_n=128,
+                              num_stages=2, warp_specialized=True, persistent=True)
+
+    planned, _ = _check_direct_plan(monkeypatch, call, tensors)
+    encoded = sum(isinstance(a, tuple) and a[:1] == ("tma",) for a in planned)
+    assert encoded == (7 if stats_aligned else 5)  # q, k, v, dO, (LSE, delta,) dQ
+
+
+def test_direct_plan_of_a_kernel_without_descriptors(monkeypatch):
+    """The Triton dot(dO, O) kernel: no descriptors, so Triton calls its C launcher unwrapped
+    and so does the plan."""
+    from fmha.kernels import bwd
+
+    b, h, s, d = 2, 4, 333, 64
+
+    def tensors():
+        o, do = (torch.empty(b, h, s, d, dtype=torch.bfloat16) for _ in range(2))
+        return o, do, torch.empty(b, h, s), torch.empty(b, h, s)
+
+    def call(ts):
+        bwd.launch_dot_do_o(*ts, batch=b, max_seqlen_q=s, block_m=64, num_warps=4, num_stages=1)
+
+    _check_direct_plan(monkeypatch, call, tensors)
+
+
+def test_a_launch_hook_takes_tritons_path(monkeypatch):
+    """With a launch hook set (a profiler's), a plan launches through Triton's CudaLauncher,
+    which calls the hook's protocol: the C launcher then receives the hooks."""
+    from triton import knobs
+
+    from fmha.kernels import fwd_gluon
+
+    def tensors():
+        return tuple(torch.empty(1, 2, 128, 64, dtype=torch.bfloat16) for _ in range(4)) + (torch.empty(1, 2, 128),)
+
+    def call(ts):
+        fwd_gluon.launch(*ts, causal=False, align_bottom_right=True, scale=0.1, block_m=128, block_n=128,
+                         num_stages=2)
+
+    runs = _recorded_runs(monkeypatch)
+    call(tensors())
+    c_launch = _triton_launchers(monkeypatch, runs[-1][1])
+    launch_cache.clear_plans()
+    ts = tensors()
+    call(ts)
+
+    seen = []
+    knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        call(ts)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(seen.append)
+    assert c_launch.calls[-1][11] is knobs.runtime.launch_enter_hook  # (gridX, gridY, gridZ, stream, function,
+    #                    coop, pdl, 2 scratch, packed metadata, launch metadata, enter hook, exit hook, ...)
+    assert c_launch.wrapped == 2 and len(seen) == 0  # (the stand-in C launcher calls no hook)
+    call(ts)
+    assert c_launch.calls[-1][11] is None and c_launch.wrapped == 2  # (hook removed: direct again)
+
+
+def _alike(a, b) -> bool:
+    """Launch arguments of two calls on different tensors of the same metadata: tensors alike
+    (shape, strides, dtype), descriptors over alike tensors with equal shape, strides, block and
+    layout, equal other values."""
+    if hasattr(a, "block_shape"):
+        return (hasattr(b, "block_shape") and _alike(a.base, b.base) and list(a.shape) == list(b.shape)
+                and list(a.strides) == list(b.strides) and a.block_shape == b.block_shape and a.layout == b.layout)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+    return type(a) is type(b) and a == b
+
+
+def _h200_path(monkeypatch):
+    """fmha's calls on CPU tensors as on an H200 (sm90, 132 SMs): the dispatcher picks the Gluon
+    forward and dK/dV; launches are recorded, not run (_recorded_runs)."""
+    from fmha import api
+    from fmha.kernels import bwd_gluon, fwd_gluon, loader
+
+    runs = _recorded_runs(monkeypatch)
+    monkeypatch.setattr(api, "_arch_of", lambda device: "sm90")
+    monkeypatch.setattr(api, "family_module",  # (compiled modules: the launchers' plans)
+                        lambda name, interpreted=False: loader.family_module(name, interpreted=False))
+    monkeypatch.setattr(api, "_PREPARED", {})
+    monkeypatch.setattr(fwd_gluon, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(bwd_gluon, "_sm_count", lambda device: 132)
+    return runs
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_api_call_plans_launch_what_the_full_path_launches(monkeypatch, layout):
+    """On the H200 path: the forward call plan (no grad) and the backward plan (an eager
+    autograd.grad) launch the kernels, grids and arguments the full path launches for inputs of
+    the same metadata (the forward's one Gluon launch; the backward's dot(dO, O), Gluon dK/dV and
+    dQ convert)."""
+    import fmha
+    from fmha import api
+
+    runs = _h200_path(monkeypatch)
+
+    def inputs():
+        shape = (2, 8, 256, 64) if layout == "bhsd" else (2, 256, 8, 64)
+        return [torch.randn(shape).to(torch.bfloat16).requires_grad_() for _ in range(3)]
+
+    def forward(ts):
+        del runs[:]
+        with torch.no_grad():
+            fmha.attention(*ts, causal=True, layout=layout)
+        return list(runs)
+
+    def backward(ts):
+        o = fmha.attention(*ts, causal=True, layout=layout)
+        del runs[:]
+        torch.autograd.grad(o, ts, torch.randn_like(o))
+        return list(runs)
+
+    forward(inputs())
+    backward(inputs())
+    second = inputs()
+    planned = forward(second), backward(second)
+    assert len(api._FORWARD_PLANS) == 1 and len(api._BACKWARD_PLANS) == 1
+    api.clear_plans()
+    full = forward(second), backward(second)
+    assert [len(r) for r in planned] == [len(r) for r in full] == [1, 3]
+    for p, f in zip(planned[0] + planned[1], full[0] + full[1], strict=True):
+        assert p[0] == f[0]
+        assert all(_alike(a, b) for a, b in zip(p[1], f[1], strict=True))

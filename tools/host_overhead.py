@@ -29,7 +29,7 @@ import torch
 
 import fmha
 from fmha import api, kvcache
-from fmha.kernels import bwd_gluon, fwd_gluon, launch_cache, loader
+from fmha.kernels import bwd_gluon, fwd_gluon, launch_cache, loader, plan_tables
 
 _REAL_LAUNCHERS = (api._launch_forward, api._launch_dkdv)
 
@@ -54,7 +54,8 @@ def stub_dense_launches_cpu() -> None:
     no_launch = types.SimpleNamespace(**{name: (lambda *a, **k: None) for name in (
         "launch_dot_do_o", "launch_delta", "launch_dkdv", "launch_dq", "launch_convert_dq")})
     api.family_module = lambda name, interpreted=False: no_launch
-    api._PREPARED.clear()  # (cached Problems carry the arch)
+    api._PREPARED.clear()  # (cached Problems carry the arch, and so do the call plans)
+    plan_tables.clear_plans()
 
 
 class _AlwaysHit(dict):
@@ -80,6 +81,7 @@ def stub_dense_launches_h200() -> None:
     torch.cuda.current_device = lambda: 0  # (CUDA tensors name their device; CPU ones do not)
     fwd_gluon._sm_count = bwd_gluon._sm_count = lambda device: 132
     api._PREPARED.clear()
+    plan_tables.clear_plans()
 
 
 def dense_cases(h200: bool = False) -> dict:

@@ -23,6 +23,7 @@ from . import validation as V
 from .configs import Family, KernelConfig, Pipeline
 from .dispatcher import Dispatcher, Plan, default_dispatcher
 from .kernels.loader import family_module
+from .kernels.plan_tables import clear_plans, keep_plan, plan_table
 from .problem import DType, MaskAlign, Problem
 
 Tensor = torch.Tensor
@@ -37,9 +38,10 @@ def set_dispatcher(dispatcher: Dispatcher | None) -> None:
     _plan_forward.cache_clear()
     _plan_backward.cache_clear()
     _backward_launches.cache_clear()
-    from .kvcache import clear_plans  # imported here: fmha.kvcache imports this module
+    clear_plans()  # (the forward's call plans hold configs of the dispatcher's)
+    from .kvcache import clear_plans as clear_decode_plans  # imported here: fmha.kvcache imports this module
 
-    clear_plans()
+    clear_decode_plans()
 
 
 def get_dispatcher() -> Dispatcher:
@@ -276,13 +278,14 @@ def _kernel_view(t: Tensor, prep: _Prepared) -> Tensor:
 
 def _launch_forward(prep: _Prepared, config: KernelConfig, o_view: Tensor, lse: Tensor,
                     sinks: Tensor | None, kernel_args: dict, fp8_descales: dict | None = None,
-                    descale_block: int = 0) -> None:
+                    descale_block: int = 0):
     """Run the forward `config` (Triton, or Gluon on Hopper) into o_view / lse.
-    fp8_descales: float8 inputs' q/k/v_descale kernel views (fmha.fp8.check_descales)."""
+    fp8_descales: float8 inputs' q/k/v_descale kernel views (fmha.fp8.check_descales).
+    Returns the Gluon launcher's plan (fwd_gluon.launch), else None."""
     p, a = prep.problem, config.algorithm
     with _device_guard(prep.q):
         if a.pipeline.is_gluon:  # the configs refuse per-block descales
-            family_module("fwd_gluon", interpreted=False).launch(
+            return family_module("fwd_gluon", interpreted=False).launch(
                 prep.q, prep.k, prep.v, o_view, lse, causal=p.window == (-1, 0),
                 align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT, scale=prep.scale,
                 block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages,
@@ -292,17 +295,19 @@ def _launch_forward(prep: _Prepared, config: KernelConfig, o_view: Tensor, lse: 
             family_module("fwd", interpreted=prep.q.device.type == "cpu").launch(
                 prep.q, prep.k, prep.v, o_view, lse, sinks=sinks, **kernel_args, **_algo(config),
                 **(fp8_descales or {}), **({"descale_block": descale_block} if fp8_descales else {}))
+    return None
 
 
 def _launch_dkdv(prep: _Prepared, config: KernelConfig, do_view: Tensor, lse: Tensor, delta: Tensor,
                  dk_view: Tensor, dv_view: Tensor, dq_acc_view: Tensor | None, dbias: Tensor | None,
                  kernel_args: dict) -> None:
-    """Run the dK/dV `config` (Triton, or Gluon on Hopper, which adds dQ into dq_acc_view)."""
+    """Run the dK/dV `config` (Triton, or Gluon on Hopper, which adds dQ into dq_acc_view).
+    Returns the Gluon launcher's plan (bwd_gluon.launch_dkdv), else None."""
     p, a = prep.problem, config.algorithm
     if a.pipeline.is_gluon:
         if not _tma_aligned(do_view):  # dO from autograd may be any view (TMA loads it)
             do_view = do_view.contiguous()
-        family_module("bwd_gluon", interpreted=False).launch_dkdv(
+        return family_module("bwd_gluon", interpreted=False).launch_dkdv(
             prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view, dq_acc_view,
             causal=p.window == (-1, 0), align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT,
             scale=prep.scale, block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages,
@@ -312,6 +317,7 @@ def _launch_dkdv(prep: _Prepared, config: KernelConfig, do_view: Tensor, lse: Te
         family_module("bwd", interpreted=prep.q.device.type == "cpu").launch_dkdv(
             prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view, dq_acc=dq_acc_view, dbias=dbias,
             **kernel_args, **_algo(config))
+    return None
 
 
 # ----------------------------------------------------------------------------------------
@@ -346,12 +352,18 @@ def _fwd_body(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, se
     prep = _prepare(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                     max_seqlen_k, layout, scale, causal, window_left, window_right, mask_align, sink_size,
                     softcap, dropout_p, seed, offset, deterministic)
-    plan = _plan_forward(prep.problem, False)
-    o, o_view, lse = _alloc_like(q, v.shape[-1], prep.problem.varlen, layout)
-    if o.numel() or lse.numel():
-        _launch_forward(prep, plan.config(Family.FWD), o_view, lse, sinks,
-                        _kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, seed, offset))
+    o, lse = _run_forward(prep, _plan_forward(prep.problem, False).config(Family.FWD), q, v.shape[-1], layout, sinks,
+                          _kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, seed, offset))
     return o, lse, prep
+
+
+def _run_forward(prep: _Prepared, config: KernelConfig, q: Tensor, head_dim_v: int, layout: str,
+                 sinks: Tensor | None, kernel_args: dict) -> tuple[Tensor, Tensor]:
+    """The forward's outputs (o in q's layout, lse), allocated and computed by `config`."""
+    o, o_view, lse = _alloc_like(q, head_dim_v, prep.problem.varlen, layout)
+    if o.numel() or lse.numel():
+        _launch_forward(prep, config, o_view, lse, sinks, kernel_args)
+    return o, lse
 
 
 @_fwd_op.register_fake
@@ -425,7 +437,15 @@ def _bwd_body(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_sl
     problem = prep.problem
     want_dsinks = want_dsinks and sinks is not None
     exact_delta = want_dbias or want_dsinks
-    launches = _backward_launches(problem, exact_delta)
+    plan_key = planned = None
+    if (forward is not None and problem.arch != "cpu" and dlse is None and not exact_delta and seqused_k is None
+            and not problem.varlen and not problem.deterministic and bias is None and alibi_slopes is None
+            and sinks is None):  # (the interpreter's kernels take no plans)
+        plan_key = (forward, _meta(q), _meta(k), _meta(v), _meta(o), _meta(do), _meta(lse))
+        planned = _BACKWARD_PLANS.get(plan_key)
+        if planned is not None and not planned.runnable(planned.dot, planned.dkdv, planned.convert):
+            planned = None
+    launches = None if planned is not None else _backward_launches(problem, exact_delta)
     kernels = family_module("bwd", interpreted=q.device.type == "cpu")
     varlen = problem.varlen
     # dq, dk, dv: their inputs' shapes and dtypes, contiguous in the user's layout; delta and
@@ -438,6 +458,17 @@ def _bwd_body(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_sl
     if seqused_k is not None:  # keys past seqused_k belong to no program: their gradient is 0
         dk.zero_()
         dv.zero_()
+    if planned is not None:  # (a plain eager backward again: its three launches' plans)
+        dq_acc = torch.zeros_like(dq, dtype=stats, memory_format=contiguous)
+        o_view, do_view = _kernel_view(o, prep), _kernel_view(do, prep)
+        planned.dot.launch(o_view, do_view, lse, delta)
+        planned.dkdv.launch(prep.q, prep.k, prep.v, do_view.contiguous() if planned.do_copied else do_view, lse,
+                            delta, dk_view, dv_view, _kernel_view(dq_acc, prep))
+        planned.convert.launch(dq_acc, dq)
+        if problem.seqlen_k == 1:
+            dq.zero_()  # (as below)
+            dk.zero_()
+        return dq, dk, dv, None, None
     dsinks_rows = torch.empty_like(delta) if want_dsinks else None
     shared = _kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
                           seed, offset)
@@ -446,22 +477,25 @@ def _bwd_body(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_sl
         dbias_full = torch.zeros((problem.batch, problem.nhead_q, problem.seqlen_q, problem.seqlen_k),
                                  dtype=stats, device=q.device)
     o_view, do_view = _kernel_view(o, prep), _kernel_view(do, prep)
+    dot = None
     with _device_guard(q):
         if exact_delta:
             kernels.launch_delta(prep.q, prep.k, prep.v, do_view, lse, delta, dlse=dlse,
                                  sinks=sinks if want_dsinks else None, dsinks_rows=dsinks_rows,
                                  **shared, **launches.stage1)
         else:
-            kernels.launch_dot_do_o(o_view, do_view, lse, delta, dlse=dlse, **shared, **launches.stage1)
+            dot = kernels.launch_dot_do_o(o_view, do_view, lse, delta, dlse=dlse, **shared, **launches.stage1)
         if problem.deterministic:
             kernels.launch_dkdv(prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view,
                                 dbias=dbias_full, **shared, **_algo(launches.dkdv))
             kernels.launch_dq(prep.q, prep.k, prep.v, do_view, lse, delta, dq_view, **shared, **launches.dq)
         else:
             dq_acc = torch.zeros_like(dq, dtype=stats, memory_format=contiguous)
-            _launch_dkdv(prep, launches.dkdv, do_view, lse, delta, dk_view, dv_view,
-                         _kernel_view(dq_acc, prep), dbias_full, shared)
-            kernels.launch_convert_dq(dq_acc, dq, scale=prep.scale, **launches.convert)
+            dkdv = _launch_dkdv(prep, launches.dkdv, do_view, lse, delta, dk_view, dv_view,
+                                _kernel_view(dq_acc, prep), dbias_full, shared)
+            convert = kernels.launch_convert_dq(dq_acc, dq, scale=prep.scale, **launches.convert)
+            if plan_key is not None and dot is not None and dkdv is not None and convert is not None:
+                keep_plan(_BACKWARD_PLANS, plan_key, _BackwardPlan(dot, dkdv, convert, not _tma_aligned(do_view)))
     if problem.seqlen_k == 1 and sinks is None and dlse is None:
         # Softmax over a single key: dS = P (dP - delta) is exactly 0 (delta = P dP), so dq, dk
         # and dbias are 0. The kernels form dP and delta in two different summation orders
@@ -480,6 +514,23 @@ def _bwd_body(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_sl
         dsinks = dsinks_rows.sum(dim=tuple(i for i in range(dsinks_rows.dim()) if i != head_axis))
         dsinks = dsinks.to(sinks.dtype)
     return dq, dk, dv, dbias, dsinks
+
+
+class _BackwardPlan:
+    """A plain eager backward (dense, no dlse, bias, ALiBi, sinks or seqused_k, not
+    deterministic; the Gluon dK/dV) repeated for inputs of the same metadata after the same
+    forward problem: the launch plans of its three launches (dot(dO, O), dK/dV, the dQ
+    convert; `launch_cache.Planned`) and whether dO is copied for TMA first."""
+
+    __slots__ = ("dot", "dkdv", "convert", "do_copied", "runnable")
+
+    def __init__(self, dot, dkdv, convert, do_copied: bool) -> None:
+        from .kernels.launch_cache import runnable  # (Triton is loaded by now: it ran these)
+
+        self.dot, self.dkdv, self.convert, self.do_copied, self.runnable = dot, dkdv, convert, do_copied, runnable
+
+
+_BACKWARD_PLANS = plan_table()
 
 
 def _reduce_to(grad: Tensor, like: Tensor) -> Tensor:
@@ -508,9 +559,7 @@ def _direct(op, tensors, *, grad_free: bool = True, autograd: type | None = None
     backward, without the custom op's autograd wrapper (whose argument handling alone cost
     ~200 us a call at 23 arguments, `torch._library.utils.fill_defaults`). Otherwise the
     registered op runs."""
-    if (torch.compiler.is_compiling() or _python_dispatch._get_current_dispatch_mode() is not None
-            or torch._C._is_torch_function_mode_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None):  # torch.func transforms
+    if not _plain_eager():
         return op
     grad = grad_free and torch.is_grad_enabled()
     recorded = False
@@ -522,6 +571,14 @@ def _direct(op, tensors, *, grad_free: bool = True, autograd: type | None = None
     if recorded:
         return op if autograd is None else autograd.apply
     return op._init_fn
+
+
+def _plain_eager() -> bool:
+    """Plain eager mode: not while torch.compile traces, no dispatch mode (fake tensors, flop
+    counters), torch-function mode or torch.func transform active."""
+    return not (torch.compiler.is_compiling() or _python_dispatch._get_current_dispatch_mode() is not None
+                or torch._C._is_torch_function_mode_enabled()
+                or torch._C._functorch.peek_interpreter_stack() is not None)
 
 
 def _setup_context(ctx, inputs, output):
@@ -773,15 +830,10 @@ def _check_call_types(q, k, v, optional: dict, strings: dict, ints: dict) -> Non
             raise TypeError(f"{name}={value!r} must be an int")
 
 
-def _call(q, k, v, *, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
-          max_seqlen_q, max_seqlen_k, layout, scale, causal, window, mask_align, sink_size,
-          softcap, dropout_p, seed, offset, deterministic, return_lse, return_dropout_mask,
-          q_descale=None, k_descale=None, v_descale=None, descale_block_size=None, out_dtype=None):
-    _check_call_types(q, k, v, dict(bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
-                                    cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, q_descale=q_descale,
-                                    k_descale=k_descale, v_descale=v_descale),
-                      dict(layout=layout, mask_align=mask_align),
-                      dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k))
+def _op_scalars(max_seqlen_q, max_seqlen_k, layout, scale, causal, window, mask_align, sink_size, softcap,
+                dropout_p, seed, offset, deterministic) -> tuple:
+    """The ops' scalar arguments (`_OP_ARGS` after the tensors), checked and normalized: the
+    window's right edge 0 when causal, floats as floats, a seed drawn when dropout needs one."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic={deterministic!r} must be a bool")
     window_left, window_right = V.check_scalars(scale=scale, softcap=softcap, window=window,
@@ -792,11 +844,25 @@ def _call(q, k, v, *, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seq
         # Drawn on the host from torch's default CPU generator (no GPU synchronisation);
         # under torch.compile pass `seed` to keep dropout inside the graph.
         seed = int(torch.randint(0, 2**62, (1,), device="cpu").item()) if dropout_p > 0 else 0
+    return (max_seqlen_q, max_seqlen_k, layout, None if scale is None else float(scale), causal,
+            window_left, window_right, mask_align, sink_size, float(softcap), float(dropout_p), seed,
+            offset, deterministic)
+
+
+def _call(q, k, v, *, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+          max_seqlen_q, max_seqlen_k, layout, scale, causal, window, mask_align, sink_size,
+          softcap, dropout_p, seed, offset, deterministic, return_lse, return_dropout_mask,
+          q_descale=None, k_descale=None, v_descale=None, descale_block_size=None, out_dtype=None):
+    _check_call_types(q, k, v, dict(bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
+                                    cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, q_descale=q_descale,
+                                    k_descale=k_descale, v_descale=v_descale),
+                      dict(layout=layout, mask_align=mask_align),
+                      dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k))
+    scalars = _op_scalars(max_seqlen_q, max_seqlen_k, layout, scale, causal, window, mask_align, sink_size, softcap,
+                          dropout_p, seed, offset, deterministic)
+    seed = scalars[11]
     out_dtype = _check_fp8_call(q, k, v, q_descale, k_descale, v_descale, descale_block_size, out_dtype,
                                 return_dropout_mask)
-    scalars = (max_seqlen_q, max_seqlen_k, layout, None if scale is None else float(scale), causal,
-               window_left, window_right, mask_align, sink_size, float(softcap), float(dropout_p), seed,
-               offset, deterministic)
     tensors = (q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k)
     if out_dtype is not None:  # float8 inputs
         o, lse = _direct(_fwd_fp8_op, tensors + (q_descale, k_descale, v_descale))(
@@ -854,13 +920,89 @@ def attention(
     Returns: o in q's layout and dtype (out_dtype for float8) (with Dv), then lse and the
     mask if asked for.
     """
-    return _call(q, k, v, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=None,
-                 cu_seqlens_k=None, seqused_k=None, max_seqlen_q=0, max_seqlen_k=0, layout=layout,
-                 scale=scale, causal=causal, window=window, mask_align=mask_align,
-                 sink_size=sink_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
-                 offset=offset, deterministic=deterministic, return_lse=return_lse,
-                 return_dropout_mask=return_dropout_mask, q_descale=q_descale, k_descale=k_descale,
-                 v_descale=v_descale, descale_block_size=descale_block_size, out_dtype=out_dtype)
+    key = None
+    if (bias is None and alibi_slopes is None and sinks is None and q_descale is None and k_descale is None
+            and v_descale is None and descale_block_size is None and out_dtype is None and seed is None
+            and not return_dropout_mask and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+            and _plain_scalars(layout, scale, causal, window, mask_align, sink_size, softcap, dropout_p, offset,
+                               deterministic) and _plain_eager()):
+        key = (_meta(q), _meta(k), _meta(v), layout, scale, causal, window, mask_align, sink_size, softcap, offset,
+               deterministic)
+        plan = _FORWARD_PLANS.get(key)
+        if plan is not None:
+            o, lse = plan.run(q, k, v)
+            return (o, lse) if return_lse else o
+    result = _call(q, k, v, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=None,
+                   cu_seqlens_k=None, seqused_k=None, max_seqlen_q=0, max_seqlen_k=0, layout=layout,
+                   scale=scale, causal=causal, window=window, mask_align=mask_align,
+                   sink_size=sink_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
+                   offset=offset, deterministic=deterministic, return_lse=return_lse,
+                   return_dropout_mask=return_dropout_mask, q_descale=q_descale, k_descale=k_descale,
+                   v_descale=v_descale, descale_block_size=descale_block_size, out_dtype=out_dtype)
+    if key is not None and not F8.is_fp8(q):  # (validated now: float8 inputs take their own op)
+        scalars = _op_scalars(0, 0, layout, scale, causal, window, mask_align, sink_size, softcap, dropout_p, None,
+                              offset, deterministic)
+        keep_plan(_FORWARD_PLANS, key, _ForwardPlan(q, k, v, scalars))
+    return result
+
+
+# ----------------------------------------------------------------------------------------
+# Forward call plans: a plain `attention` call repeated with inputs of the same metadata.
+
+_REAL = (float, int)
+
+
+def _plain_scalars(layout, scale, causal, window, mask_align, sink_size, softcap, dropout_p, offset,
+                   deterministic) -> bool:
+    """Scalars of the types a forward plan's key tells apart (bools as bools, ints as ints, a
+    float or None scale), and no dropout: equal keys then mean calls validation treats alike."""
+    return (type(scale) is float or scale is None) and type(causal) is bool and type(window) is tuple \
+        and len(window) == 2 and type(window[0]) is int and type(window[1]) is int and type(sink_size) is int \
+        and type(softcap) in _REAL and type(dropout_p) in _REAL and dropout_p == 0 and type(offset) is int \
+        and type(deterministic) is bool and type(layout) is str and type(mask_align) is str
+
+
+class _ForwardPlan:
+    """What a validated plain `attention` call (dense, no optional tensors, no dropout, not
+    float8) repeats for inputs of the same metadata and the same scalars (`attention`'s key):
+    the op's normalized scalars, and its forward's problem, kernel config and launcher
+    arguments. A call autograd records goes through `_EagerAttention` with those scalars;
+    otherwise the forward runs at once. Checks, description and dispatch ran for the call
+    that made the plan; a later call of the same key would pass them alike."""
+
+    __slots__ = ("scalars", "problem", "scale", "config", "kernel_args", "head_dim_v", "layout", "runnable",
+                 "launched")
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, scalars: tuple) -> None:
+        prep = _prepare_op(q, k, v, (None,) * 6 + scalars)
+        self.scalars, self.problem, self.scale = scalars, prep.problem, prep.scale
+        self.config = _plan_forward(prep.problem, False).config(Family.FWD)
+        self.kernel_args = _kernel_args(prep, None, None, None, None, None, scalars[11], scalars[12])
+        self.head_dim_v, self.layout = v.shape[-1], scalars[2]
+        self.runnable = None
+        if self.config.algorithm.pipeline.is_gluon:
+            from .kernels.launch_cache import runnable  # (Triton is loaded by now: it ran this config)
+
+            self.runnable = runnable
+        self.launched = None  # the Gluon launcher's own plan (fwd_gluon.launch), once it ran
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return _EagerAttention.apply(q, k, v, None, None, None, None, None, None, *self.scalars)
+        o, o_view, lse = _alloc_like(q, self.head_dim_v, False, self.layout)
+        if not (o.numel() or lse.numel()):
+            return o, lse
+        prep = _prepared_views(self.problem, q, k, v, self.scale)
+        if self.launched is not None and self.runnable(self.launched):
+            self.launched.launch(prep.q, prep.k, prep.v, o_view, lse)
+            return o, lse
+        launched = _launch_forward(prep, self.config, o_view, lse, None, self.kernel_args)
+        if self.runnable is not None:
+            self.launched = launched
+        return o, lse
+
+
+_FORWARD_PLANS = plan_table()  # (forgotten with the launchers' plans: plan_tables.clear_plans)
 
 
 def attention_varlen(

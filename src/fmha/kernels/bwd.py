@@ -397,7 +397,9 @@ def _dims(q, k, v):
 
 def launch_dot_do_o(o, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=None,
                     cu_seqlens_q=None, batch: int, max_seqlen_q: int,
-                    block_m: int, num_warps: int, num_stages: int, **_unused) -> None:
+                    block_m: int, num_warps: int, num_stages: int, **_unused) -> launch_cache.Planned | None:
+    """delta = rowsum(dO * O) (minus dlse; sinks' shares into dsinks_rows). Returns the launch
+    plan it ran or made (the plain case), as fwd_gluon.launch."""
     varlen = cu_seqlens_q is not None
     key = None  # a plan (launch_cache) for the plain case: dense, no dlse, no sinks
     if dlse is None and sinks is None and dsinks_rows is None and not varlen \
@@ -408,12 +410,12 @@ def launch_dot_do_o(o, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=Non
                num_stages)
         planned = _DOT_DO_O_PLANS.get(key)
         if planned is not None:
-            launch_cache.run_plan(planned[0], o, do, lse, lse, delta, delta, lse, lse, *planned[1])
-            return
+            planned.launch(o, do, lse, delta)
+            return planned
     nheads_q, head_dim_v = o.shape[1], o.shape[-1]
     grid = (cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
     if grid[0] == 0:
-        return
+        return None
     tail = (*seq_strides(o, varlen), *seq_strides(do, varlen), *row_strides(lse, varlen),
             nheads_q, max_seqlen_q, head_dim_v)
     plan = launch_cache.make_plan(dot_do_o_kernel, grid,
@@ -423,8 +425,17 @@ def launch_dot_do_o(o, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=Non
         IS_VARLEN=varlen, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None,
         BLOCK_M=block_m, BLOCK_DV=padded_dim(head_dim_v), num_warps=num_warps, num_stages=num_stages,
     )
-    if key is not None and plan is not None:
-        launch_cache.keep_plan(_DOT_DO_O_PLANS, key, (plan, tail))
+    if key is None or plan is None:
+        return None
+    planned = launch_cache.Planned(plan, dot_do_o_kernel, tail, _dot_plan_tensors)
+    launch_cache.keep_plan(_DOT_DO_O_PLANS, key, planned)
+    return planned
+
+
+def _dot_plan_tensors(o, do, lse, delta) -> tuple:
+    """dot_do_o_kernel's tensors in the plain case (no dlse, sinks or varlen: lse and delta in
+    the unused places)."""
+    return o, do, lse, lse, delta, delta, lse, lse
 
 
 _DOT_DO_O_PLANS = launch_cache.plan_table()
@@ -518,23 +529,28 @@ def launch_delta(q, k, v, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=
               dsinks_rows=dsinks_rows, **kwargs)
 
 
-def launch_convert_dq(dq_acc, dq, *, scale: float, block_m: int, num_warps: int, **_unused) -> None:
-    """dq (any dtype, contiguous) = scale * dq_acc (fp32, same shape, contiguous)."""
+def launch_convert_dq(dq_acc, dq, *, scale: float, block_m: int, num_warps: int,
+                      **_unused) -> launch_cache.Planned | None:
+    """dq (any dtype, contiguous) = scale * dq_acc (fp32, same shape, contiguous). Returns the
+    launch plan it ran or made, as fwd_gluon.launch."""
     key = None
     if launch_cache.plans_enabled(convert_dq_kernel):
         key = (dq.shape, dq.dtype, dq_acc.dtype, dq_acc.data_ptr() % 16 == 0, dq.data_ptr() % 16 == 0,
                launch_cache.current_device(), scale, block_m, num_warps)
         planned = _CONVERT_DQ_PLANS.get(key)
         if planned is not None:
-            launch_cache.run_plan(planned[0], dq_acc, dq, *planned[1])
-            return
+            planned.launch(dq_acc, dq)
+            return planned
     head_dim = dq.shape[-1]
     n_rows = dq.numel() // max(head_dim, 1)
     if n_rows == 0:
-        return
+        return None
     grid = (cdiv(n_rows, block_m),)
     tail = (n_rows, head_dim, scale, head_dim, head_dim)
     plan = launch_cache.make_plan(convert_dq_kernel, grid, dq_acc, dq, *tail,
                                   BLOCK_R=block_m, BLOCK_D=padded_dim(head_dim), num_warps=num_warps)
-    if key is not None and plan is not None:
-        launch_cache.keep_plan(_CONVERT_DQ_PLANS, key, (plan, tail))
+    if key is None or plan is None:
+        return None
+    planned = launch_cache.Planned(plan, convert_dq_kernel, tail)
+    launch_cache.keep_plan(_CONVERT_DQ_PLANS, key, planned)
+    return planned

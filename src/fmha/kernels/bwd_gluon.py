@@ -1147,12 +1147,13 @@ SHAPES = {
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_bottom_right: bool,
                 scale: float, block_m: int, block_n: int, num_stages: int, num_warps: int = 8,
-                warp_specialized: bool = False, persistent: bool = False) -> None:
+                warp_specialized: bool = False, persistent: bool = False) -> launch_cache.Planned | None:
     """(B, H, S, D) views; lse/delta (B, Hq, Sq) fp32; dq_acc fp32 (B, Hq, Sq, D) view, zeroed
     (16-byte aligned rows for the warp-specialized kernel: fmha allocates it so).
     persistent (warp_specialized): one program per SM walks the key tiles
     (bwd_dkdv_ws_kernel's PERSISTENT; causal tile order `preferred_tile_order`, pairs where
-    heads outermost would unbalance the programs: persistent_schedule.causal_tile_order)."""
+    heads outermost would unbalance the programs: persistent_schedule.causal_tile_order).
+    Returns the launch plan this call ran or made (None: none), as fwd_gluon.launch."""
     key = None
     if launch_cache.plans_enabled(bwd_dkdv_ws_kernel):
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), do.stride(), lse.shape, lse.stride(),
@@ -1163,9 +1164,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
                warp_specialized, persistent)
         planned = _PLANS.get(key)
         if planned is not None:
-            launch_cache.run_plan(planned.plan, *_tensor_args(q, k, v, do, lse, delta, dk, dv, dq_acc, *planned.how),
-                                  *planned.tail)
-            return
+            planned.launch(q, k, v, do, lse, delta, dk, dv, dq_acc)
+            return planned
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
@@ -1194,27 +1194,26 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
             seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale)
     plan = launch_cache.make_plan(kernel, grid, *_tensor_args(q, k, v, do, lse, delta, dk, dv, dq_acc, *how), *tail,
                                   **constexprs, **options)
-    if key is not None and plan is not None:
-        launch_cache.keep_plan(_PLANS, key, _Planned(plan, how, tail))
+    if key is None or plan is None:
+        return None
+    planned = launch_cache.Planned(plan, bwd_dkdv_ws_kernel if warp_specialized else bwd_dkdv_kernel, tail,
+                                   _plan_tensors)
+    launch_cache.keep_plan(_PLANS, key, planned)
+    return planned
+
+
+def _plan_tensors(q, k, v, do, lse, delta, dk, dv, dq_acc) -> tuple:
+    """`_tensor_args` for a plan: each descriptor's tensor in its place."""
+    return q, k, v, do, lse, delta, dq_acc, dk, dv
 
 
 def _tensor_args(q, k, v, do, lse, delta, dk, dv, dq_acc, block_m, block_n, stats_tma, dq_tma, reduce_cols) -> tuple:
     """The dK/dV kernels' leading arguments, those of the call's tensors (TMA descriptors where
-    the launch uses TMA)."""
+    the launch uses TMA; a plan takes each descriptor's tensor in its place, `launch_cache.run_plan`)."""
     return (descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m),
             _stats_descriptor(lse, block_m) if stats_tma else lse,
             _stats_descriptor(delta, block_m) if stats_tma else delta,
             descriptor(dq_acc, block_m, reduce_cols) if dq_tma else dq_acc, dk, dv)  # (rows past Sq: clipped)
-
-
-class _Planned:
-    """`launch_dkdv`'s plan for one key (launch_cache.Plan): how the tensors are passed and the
-    arguments after them, which the key fixes."""
-
-    __slots__ = ("plan", "how", "tail")
-
-    def __init__(self, plan, how: tuple, tail: tuple) -> None:
-        self.plan, self.how, self.tail = plan, how, tail
 
 
 _PLANS = launch_cache.plan_table()

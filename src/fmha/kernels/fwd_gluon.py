@@ -678,7 +678,7 @@ def _transposed(v):
 def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: float,
            block_m: int, block_n: int, num_stages: int, pingpong: bool = True,
            descales: tuple | None = None, persistent: bool = False, tile_order: int | None = None,
-           rescale_tau: float | None = None) -> None:
+           rescale_tau: float | None = None) -> launch_cache.Planned | None:
     """q/k/v: (B, H, S, D) views with 16-byte aligned strides; o: (B, Hq, Sq, D) view of any
     float dtype and strides (a TMA store when it is q's dtype and aligned); lse: (B, Hq, Sq) fp32.
 
@@ -693,7 +693,10 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     (persistent_schedule.causal_tile_order).
 
     rescale_tau: the kernel's RESCALE_TAU (lazy O rescale, log2 units, fp16/bf16 only); None:
-    `default_rescale_tau`."""
+    `default_rescale_tau`.
+
+    Returns the launch plan this call ran or made (None: none): `Planned.launch(q, k, v, o, lse)`
+    repeats it for inputs of the same metadata and the same scalar arguments."""
     fp8 = q.dtype == torch.float8_e4m3fn
     key = None
     if not fp8 and launch_cache.plans_enabled(fwd_ws_kernel):  # (fp8 transposes V and reads descales: no plan)
@@ -703,9 +706,8 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
                num_stages, pingpong, persistent, tile_order, rescale_tau)
         planned = _PLANS.get(key)
         if planned is not None:
-            launch_cache.run_plan(planned.plan, *_tensor_args(q, k, v, o, lse, planned.block_n, planned.o_tma, False),
-                                  *planned.tail)
-            return
+            planned.launch(q, k, v, o, lse)
+            return planned
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
@@ -747,8 +749,11 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         PERSISTENT=persistent, O_BUF=o_buf, TILE_ORDER=tile_order if persistent and causal else 0,
         RESCALE_TAU=tau, num_warps=4, maxnreg=maxnreg,
     )
-    if key is not None and plan is not None:
-        launch_cache.keep_plan(_PLANS, key, _Planned(plan, block_n, o_tma, tail))
+    if key is None or plan is None:
+        return None
+    planned = launch_cache.Planned(plan, fwd_ws_kernel, tail, _plan_tensors_o_tma if o_tma else _plan_tensors_no_o_tma)
+    launch_cache.keep_plan(_PLANS, key, planned)
+    return planned
 
 
 def _tensor_args(q, k, v, o, lse, block_n: int, o_tma: bool, fp8: bool) -> tuple:
@@ -761,14 +766,14 @@ def _tensor_args(q, k, v, o, lse, block_n: int, o_tma: bool, fp8: bool) -> tuple
             o, *o.stride()[:3], lse, *lse.stride())
 
 
-class _Planned:
-    """`launch`'s plan for one key (launch_cache.Plan): the kernel and the arguments after the
-    tensors, which the key fixes."""
+def _plan_tensors_o_tma(q, k, v, o, lse) -> tuple:
+    """`_tensor_args` (not fp8, O by TMA) for a plan: each descriptor's tensor in its place."""
+    return (q, k, v, o, o, *o.stride()[:3], lse, *lse.stride())
 
-    __slots__ = ("plan", "block_n", "o_tma", "tail")
 
-    def __init__(self, plan, block_n: int, o_tma: bool, tail: tuple) -> None:
-        self.plan, self.block_n, self.o_tma, self.tail = plan, block_n, o_tma, tail
+def _plan_tensors_no_o_tma(q, k, v, o, lse) -> tuple:
+    """The same without O by TMA (q's descriptor in O's unused place)."""
+    return (q, k, v, q, o, *o.stride()[:3], lse, *lse.stride())
 
 
 _PLANS = launch_cache.plan_table()

@@ -16,6 +16,12 @@ strides, dtypes, alignments and its scalar arguments: everything the kernel and 
 arguments depend on) and re-launches it with `run_plan` and the call's tensors, skipping its own
 argument work and this module's key. While `launch` is replaced (a test's spy), launchers must
 not use plans (`plans_enabled`), so that the spy sees every launch.
+
+A plan launches through Triton's compiled C launcher itself where it can (`_Direct`): Triton's
+Python wrapper around it re-encodes every TMA descriptor and walks every argument on each call
+(11 of a 19 us launch on the H200 host, tools/launcher_cost.py); a plan keeps the encoded
+descriptors per (address, shape, strides, type) instead, and takes in a descriptor's place the
+tensor it was built over.
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ from typing import Any
 
 import torch
 from triton import knobs
+from triton.backends.nvidia.driver import CudaLauncher, make_tensordesc_arg
+from triton.knobs import HookChain
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
+
+from .plan_tables import clear_plans, keep_plan, plan_table  # noqa: F401 (the launchers' plan tables)
 
 _CACHE: dict = {}
 _CACHE_MAX = 4096
@@ -99,26 +109,86 @@ def _grid3(grid: tuple) -> tuple:
 def _run(compiled, grid: tuple, device: int, bound: tuple) -> None:
     """The compiled kernel's own launcher, on the current stream of `device` (grid: 3 values)."""
     stream = driver.active.get_current_stream(device)
-    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata(grid, stream, *bound),
-                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound)
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if _idle(enter) and _idle(exit_):  # (no metadata to build for hooks that do nothing)
+        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
+                     None, *bound)
+    else:
+        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(grid, stream, *bound), enter, exit_, *bound)
 
 
 class Plan:
     """A launch to repeat: the compiled kernel `launch` found for a call, its grid, the values of
-    the parameters after the positional ones (constexprs and options), and the device it is
-    loaded on."""
+    the parameters after the positional ones (constexprs and options), the device it is
+    loaded on, the positions of its TMA descriptor arguments (with a descriptor of each, to
+    rebuild them: `slots`) and, where Triton's launcher allows, its direct launch (`_Direct`)."""
 
-    __slots__ = ("compiled", "grid", "tail", "device")
+    __slots__ = ("compiled", "grid", "tail", "device", "slots", "direct")
 
-    def __init__(self, compiled, grid: tuple, tail: tuple, device: int) -> None:
+    def __init__(self, compiled, grid: tuple, tail: tuple, device: int, slots: tuple = (),
+                 direct: _Direct | None = None) -> None:
         self.compiled, self.grid, self.tail, self.device = compiled, grid, tail, device
+        self.slots, self.direct = slots, direct
+
+
+def _is_descriptor(a) -> bool:
+    return hasattr(a, "block_shape") and hasattr(a, "layout")
+
+
+def _over_whole_tensor(d) -> bool:
+    """A descriptor whose shape and strides are its base tensor's: rebuilt from the tensor alone."""
+    return list(d.shape) == list(d.base.shape) and list(d.strides) == list(d.base.stride())
+
+
+class _Direct:
+    """Triton 3.6's compiled C launcher of a kernel (`CudaLauncher.launch`'s inner function, or
+    that function itself for a kernel without descriptors) and the arguments it takes between
+    the stream and the kernel's own: called without `CudaLauncher.__call__` and its descriptor
+    wrapper. `encode`: per descriptor slot, last first, (position, a descriptor of it, the
+    launcher's TMA metadata, the cache key of the values `make_tensordesc_arg` encodes besides
+    the tensor)."""
+
+    __slots__ = ("launcher", "prefix", "encode")
+
+    def __init__(self, launcher, prefix: tuple, encode: tuple) -> None:
+        self.launcher, self.prefix, self.encode = launcher, prefix, encode
+
+
+def _direct_launch(compiled, slots: tuple) -> _Direct | None:
+    """The direct launch of `compiled` (None where its launcher is not the one this module knows:
+    another backend or Triton version, scratch memory to allocate per call, descriptors the
+    kernel reads without TMA)."""
+    run = getattr(compiled, "run", None)
+    if not isinstance(run, CudaLauncher) or run.global_scratch_size or run.profile_scratch_size:
+        return None
+    inner = run.launch
+    if getattr(inner, "__closure__", None) is None:  # no descriptors: Triton calls the C launcher itself
+        if slots:
+            return None
+        metas = ()
+        launcher = inner
+    else:
+        cells = dict(zip(inner.__code__.co_freevars, (c.cell_contents for c in inner.__closure__), strict=True))
+        metas = cells.get("tensordesc_meta")
+        launcher = cells.get("launcher")
+        if launcher is None or not metas or len(metas) != len(slots) or None in metas:
+            return None
+        metas = tuple(metas)
+    encode = tuple((pos, proto, m, (m["swizzle"], m["elem_size"], m["elem_type"], tuple(m["block_size"]),
+                                    m["fp4_padded"], proto.padding))
+                   for (pos, proto), m in zip(slots, metas, strict=True))
+    # (global and profile scratch: none; launch_metadata and the enter / exit hooks: None, see run_plan)
+    prefix = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
+              None, None, None)
+    return _Direct(launcher, prefix, encode[::-1])
 
 
 def make_plan(kernel, grid: tuple, *args, **kwargs) -> Plan | None:
     """`launch(kernel, grid, *args, **kwargs)`, then the Plan that repeats it with other tensors
     of the same metadata (None where `launch` does not cache: interpreted kernels, parameters
-    left to their defaults, tensors by keyword; and while `launch` is replaced)."""
+    left to their defaults, tensors by keyword; while `launch` is replaced; and where a TMA
+    descriptor does not span its whole tensor)."""
     if not plans_enabled(kernel):
         launch(kernel, grid, *args, **kwargs)  # (a spy's, if one replaced it)
         return None
@@ -126,7 +196,10 @@ def make_plan(kernel, grid: tuple, *args, **kwargs) -> Plan | None:
     if cached is None:
         return None
     (compiled, tail, _), device = cached
-    return Plan(compiled, _grid3(grid), tail, device)
+    slots = tuple((i, a) for i, a in enumerate(args) if _is_descriptor(a))
+    if not all(_over_whole_tensor(d) for _, d in slots):
+        return None
+    return Plan(compiled, _grid3(grid), tail, device, slots, _direct_launch(compiled, slots))
 
 
 def current_device() -> int:
@@ -142,33 +215,84 @@ def plans_enabled(kernel) -> bool:
 
 
 def run_plan(plan: Plan, *args) -> None:
-    """Launch `plan` with `args`: the same leading arguments as the call that made it (new
-    tensors of the same metadata) on the current stream of the plan's device."""
+    """Launch `plan` with `args`: the leading arguments of the call that made it, as new tensors
+    of the same metadata, where each TMA descriptor's place takes the tensor it was built over;
+    on the current stream of the plan's device. Through Triton's C launcher directly
+    (`_Direct`), unless a launch hook is set (profilers): then as `launch` does."""
+    direct = plan.direct
+    if direct is not None and _idle(knobs.runtime.launch_enter_hook) and _idle(knobs.runtime.launch_exit_hook):
+        if direct.encode:
+            args = list(args)
+            for pos, proto, meta, spec in direct.encode:  # (last first: no shift before it)
+                args[pos:pos + 1] = _encoded(args[pos], proto, meta, spec)
+        grid = plan.grid
+        direct.launcher(grid[0], grid[1], grid[2], driver.active.get_current_stream(plan.device), *direct.prefix,
+                        *args, *plan.tail)
+        return
+    if plan.slots:
+        args = list(args)
+        for pos, proto in plan.slots:
+            args[pos] = _rebuilt(proto, args[pos])
     _run(plan.compiled, plan.grid, plan.device, (*args, *plan.tail))
 
 
-_PLAN_TABLES: list[dict] = []
-PLANS_MAX = 1024  # per launcher; a full table is cleared
+class Planned:
+    """A launcher's plan (`make_plan`) with the arguments after its call's tensors (`tail`, fixed
+    by the launcher's key) and how the call's tensors become the plan's leading arguments
+    (`arrange`, None: as they are). Launchers return it, so that a caller whose own key fixes
+    what the launcher's key holds can launch it again (`runnable`, `Planned.launch`)."""
+
+    __slots__ = ("plan", "kernel", "tail", "arrange")
+
+    def __init__(self, plan: Plan, kernel, tail: tuple, arrange=None) -> None:
+        self.plan, self.kernel, self.tail, self.arrange = plan, kernel, tail, arrange
+
+    def launch(self, *tensors) -> None:
+        run_plan(self.plan, *(self.arrange(*tensors) if self.arrange is not None else tensors), *self.tail)
 
 
-def plan_table() -> dict:
-    """A launcher's table of plans (key -> its plan), registered for `clear_plans`."""
-    table: dict = {}
-    _PLAN_TABLES.append(table)
-    return table
+def runnable(*planned: Planned | None) -> bool:
+    """Whether each of these plans may launch now: given, plans on for its kernel
+    (`plans_enabled`), the current device the one it was made on."""
+    device = None
+    for p in planned:
+        if p is None or not plans_enabled(p.kernel):
+            return False
+        device = current_device() if device is None else device
+        if p.plan.device != device:
+            return False
+    return True
 
 
-def keep_plan(table: dict, key, planned) -> None:
-    if len(table) >= PLANS_MAX:
-        table.clear()
-    table[key] = planned
+def _idle(hook) -> bool:
+    """No launch hook to call: Triton 3.6's hooks are chains, empty unless a profiler adds one
+    (its launcher then calls the empty chain with launch metadata built for nothing)."""
+    return hook is None or (type(hook) is HookChain and not hook.calls)
 
 
-def clear_plans() -> None:
-    """Forget every launcher's plans (after changing what a launcher reads besides its
-    arguments, e.g. a test's monkeypatched tile shapes: the keys do not see that)."""
-    for table in _PLAN_TABLES:
-        table.clear()
+def _rebuilt(proto, t):
+    """`proto` (a descriptor over a whole tensor) over `t` instead."""
+    d = object.__new__(type(proto))
+    d.__dict__.update(proto.__dict__)
+    d.base, d.shape, d.strides = t, list(t.shape), list(t.stride())
+    return d
+
+
+# Encoded TMA descriptors (Triton's launcher arguments for one: the CUtensorMap, shape and
+# strides) by (address, shape, strides, spec): a pure function of these, so a tensor at an
+# address the caching allocator hands out again reuses its encoding.
+_ENCODED = plan_table()  # (forgotten with the plans)
+_ENCODED_MAX = 4096
+
+
+def _encoded(t, proto, meta: dict, spec: tuple) -> list:
+    key = (t.data_ptr(), t.shape, t.stride(), spec)
+    hit = _ENCODED.get(key)
+    if hit is None:
+        if len(_ENCODED) >= _ENCODED_MAX:
+            _ENCODED.clear()
+        hit = _ENCODED[key] = make_tensordesc_arg(_rebuilt(proto, t), meta)
+    return hit
 
 
 _LAUNCH = launch  # (plans_enabled: whether `launch` is still this module's own)

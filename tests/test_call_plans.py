@@ -1,0 +1,113 @@
+"""The api's call plans: a plain `attention` call repeated with inputs of the same metadata and
+the same scalars skips validation, description and dispatch (api._ForwardPlan), and a plain
+eager backward repeats its three launches' plans (api._BackwardPlan). A plan must give what
+the full path gives, and must never serve a call the full path would refuse. (That planned
+launches pass what the launchers build: tests/test_launch_cache.py.)"""
+
+import pytest
+import torch
+
+import fmha
+from fmha import api
+
+from attn_testing import SeenOps, make_qkv
+
+
+def _qkv(rng, layout="bhsd", requires_grad=False):
+    q, k, v = make_qkv(rng, batch=1, nhead_q=2, nhead_k=1, seqlen_q=9, seqlen_k=12, head_dim=16,
+                       dtype=torch.float32, layout=layout)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def _full_path_calls(monkeypatch):
+    """Counts the calls that take the full path (api._call)."""
+    calls = []
+    full = api._call
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return full(*args, **kwargs)
+
+    monkeypatch.setattr(api, "_call", counted)
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_repeated_call_takes_its_plan_and_gives_the_full_paths_answer(rng, monkeypatch, layout, return_lse):
+    q, k, v = _qkv(rng, layout)
+    calls = _full_path_calls(monkeypatch)
+    kw = dict(causal=True, layout=layout, scale=0.3, return_lse=return_lse)
+    first = fmha.attention(q, k, v, **kw)
+    q2, k2, v2 = (t.clone() + 0.5 for t in (q, k, v))  # other tensors, the same metadata
+    planned = fmha.attention(q2, k2, v2, **kw)
+    assert len(calls) == 1 and len(api._FORWARD_PLANS) == 1
+    api.clear_plans()
+    full = fmha.attention(q2, k2, v2, **kw)
+    assert len(calls) == 2
+    for a, b in zip(planned if return_lse else (planned,), full if return_lse else (full,), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(first if not return_lse else first[0], full if not return_lse else full[0])
+
+
+@pytest.mark.parametrize("kw, bad, error", [
+    (dict(causal=True), dict(causal=1), TypeError),  # (1 == True: the key alone would match)
+    (dict(scale=1.0), dict(scale=True), ValueError),
+    (dict(window=(3, 0)), dict(window=(3, False)), ValueError),
+    (dict(deterministic=False), dict(deterministic=0), TypeError),
+    (dict(offset=0), dict(offset=False), ValueError),
+    (dict(sink_size=0), dict(sink_size=False), ValueError),
+])
+def test_a_plan_never_serves_a_call_the_full_path_refuses(rng, kw, bad, error):
+    q, k, v = _qkv(rng)
+    fmha.attention(q, k, v, **kw)
+    fmha.attention(q, k, v, **kw)
+    assert len(api._FORWARD_PLANS) == 1
+    with pytest.raises(error):
+        fmha.attention(q, k, v, **bad)
+
+
+def test_calls_with_optional_tensors_dropout_or_a_seed_take_no_plan(rng):
+    q, k, v = _qkv(rng)
+    fmha.attention(q, k, v, alibi_slopes=torch.rand(2))
+    fmha.attention(q, k, v, dropout_p=0.1)
+    fmha.attention(q, k, v, seed=3)
+    fmha.attention(q, k, v, sinks=torch.rand(2))
+    assert not api._FORWARD_PLANS
+    fmha.attention(q, k, v, dropout_p=0.0)
+    assert len(api._FORWARD_PLANS) == 1
+
+
+def test_a_plan_serves_autograd_calls_with_the_same_gradients(rng):
+    q, k, v = _qkv(rng)
+    with torch.no_grad():
+        fmha.attention(q, k, v, causal=True)  # the plan
+    assert len(api._FORWARD_PLANS) == 1
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = fmha.attention(*leaves, causal=True)
+        assert type(o.grad_fn).__name__ == "_EagerAttentionBackward"
+        return (o, *torch.autograd.grad(o, leaves, torch.ones_like(o)))
+
+    planned = grads()
+    api.clear_plans()
+    for a, b in zip(planned, grads(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_dispatch_modes_see_the_op_even_with_a_plan(rng):
+    q, k, v = _qkv(rng)
+    fmha.attention(q, k, v)
+    assert len(api._FORWARD_PLANS) == 1
+    with SeenOps() as seen:
+        fmha.attention(q, k, v)
+    assert any("fmha.fwd" in op or "fmha::fwd" in op for op in seen.ops)
+
+
+def test_a_dispatcher_change_forgets_the_plans(rng):
+    q, k, v = _qkv(rng)
+    fmha.attention(q, k, v)
+    assert len(api._FORWARD_PLANS) == 1
+    with api.use_dispatcher(None):
+        assert not api._FORWARD_PLANS
