@@ -87,7 +87,7 @@ def test_a_plan_serves_autograd_calls_with_the_same_gradients(rng):
     def grads():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         o = fmha.attention(*leaves, causal=True)
-        assert type(o.grad_fn).__name__ == "_EagerAttentionBackward"
+        assert type(o.grad_fn).__name__ in ("_PlannedAttentionBackward", "_EagerAttentionBackward")
         return (o, *torch.autograd.grad(o, leaves, torch.ones_like(o)))
 
     planned = grads()

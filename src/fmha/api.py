@@ -417,13 +417,14 @@ def _backward_launches(problem: Problem, exact_delta: bool) -> _BackwardLaunches
 def _bwd_body(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q,
               cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
               window_right, mask_align, sink_size, softcap, dropout_p, seed, offset, deterministic,
-              forward: tuple[Problem, float] | None = None):
+              forward: tuple[Problem, float] | None = None, plans: dict | None = None):
     """`_bwd_op`'s work, with None for a dbias or dsinks not wanted (the op returns empty
     tensors for them; the eager backward, which calls this directly, allocates nothing).
 
     forward: the forward's (Problem, scale) for these very tensors (the eager autograd path
     keeps them: saved tensors cannot change without autograd refusing them), so they are not
-    validated and described again."""
+    validated and described again. plans: where a forward call plan keeps this backward's plans
+    (`_ForwardPlan.backward`), else `_BACKWARD_PLANS`."""
     if dlse is not None and (dlse.stride() != lse.stride() or dlse.dtype != lse.dtype):
         # The kernels read dlse with lse's strides; the gradient of e.g. lse.sum() is an
         # expanded (stride 0) view, which they would read past its one element.
@@ -441,8 +442,11 @@ def _bwd_body(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_sl
     if (forward is not None and problem.arch != "cpu" and dlse is None and not exact_delta and seqused_k is None
             and not problem.varlen and not problem.deterministic and bias is None and alibi_slopes is None
             and sinks is None):  # (the interpreter's kernels take no plans)
-        plan_key = (forward, _meta(q), _meta(k), _meta(v), _meta(o), _meta(do), _meta(lse))
-        planned = _BACKWARD_PLANS.get(plan_key)
+        if plans is not None:  # (a forward call plan's own table: its key fixes q, k, v and so o, lse)
+            table, plan_key = plans, _meta(do)
+        else:
+            table, plan_key = _BACKWARD_PLANS, (forward, _meta(q), _meta(k), _meta(v), _meta(o), _meta(do), _meta(lse))
+        planned = table.get(plan_key)
         if planned is not None and not planned.runnable(planned.dot, planned.dkdv, planned.convert):
             planned = None
     launches = None if planned is not None else _backward_launches(problem, exact_delta)
@@ -495,7 +499,7 @@ def _bwd_body(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_sl
                                 _kernel_view(dq_acc, prep), dbias_full, shared)
             convert = kernels.launch_convert_dq(dq_acc, dq, scale=prep.scale, **launches.convert)
             if plan_key is not None and dot is not None and dkdv is not None and convert is not None:
-                keep_plan(_BACKWARD_PLANS, plan_key, _BackwardPlan(dot, dkdv, convert, not _tma_aligned(do_view)))
+                keep_plan(table, plan_key, _BackwardPlan(dot, dkdv, convert, not _tma_aligned(do_view)))
     if problem.seqlen_k == 1 and sinks is None and dlse is None:
         # Softmax over a single key: dS = P (dP - delta) is exactly 0 (delta = P dP), so dq, dk
         # and dbias are 0. The kernels form dP and delta in two different summation orders
@@ -966,12 +970,13 @@ class _ForwardPlan:
     """What a validated plain `attention` call (dense, no optional tensors, no dropout, not
     float8) repeats for inputs of the same metadata and the same scalars (`attention`'s key):
     the op's normalized scalars, and its forward's problem, kernel config and launcher
-    arguments. A call autograd records goes through `_EagerAttention` with those scalars;
-    otherwise the forward runs at once. Checks, description and dispatch ran for the call
-    that made the plan; a later call of the same key would pass them alike."""
+    arguments. A call autograd records goes through `_PlannedAttention`, whose backward keeps
+    its own plans per dO metadata; otherwise the forward runs at once. Checks, description and
+    dispatch ran for the call that made the plan; a later call of the same key would pass them
+    alike."""
 
     __slots__ = ("scalars", "problem", "scale", "config", "kernel_args", "head_dim_v", "layout", "runnable",
-                 "launched")
+                 "launched", "backward_plans")
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, scalars: tuple) -> None:
         prep = _prepare_op(q, k, v, (None,) * 6 + scalars)
@@ -985,10 +990,15 @@ class _ForwardPlan:
 
             self.runnable = runnable
         self.launched = None  # the Gluon launcher's own plan (fwd_gluon.launch), once it ran
+        self.backward_plans: dict = {}  # dO's metadata -> _BackwardPlan (`_bwd_body`)
 
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return _EagerAttention.apply(q, k, v, None, None, None, None, None, None, *self.scalars)
+            return _PlannedAttention.apply(self, q, k, v)
+        return self.forward(q, k, v)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """o, lse: the forward's body as the plan keeps it."""
         o, o_view, lse = _alloc_like(q, self.head_dim_v, False, self.layout)
         if not (o.numel() or lse.numel()):
             return o, lse
@@ -1000,6 +1010,43 @@ class _ForwardPlan:
         if self.runnable is not None:
             self.launched = launched
         return o, lse
+
+    def backward(self, grad_o, grad_lse, q, k, v, o, lse) -> tuple[Tensor, Tensor, Tensor]:
+        """dq, dk, dv of the forward this plan ran on q, k, v (o, lse), as `_backward`."""
+        if grad_o is None:  # only lse was used
+            grad_o = torch.zeros_like(o)
+        if grad_o.stride(-1) != 1:
+            grad_o = grad_o.contiguous()
+        args = (grad_o, grad_lse, o, lse, False, False, q, k, v, None, None, None, None, None, None, *self.scalars)
+        if _direct(_bwd_op, (grad_o, grad_lse, q, k, v, o, lse), grad_free=False) is _bwd_op._init_fn:
+            if len(self.backward_plans) >= 16:  # (dO's metadata: a few variants at most)
+                self.backward_plans.clear()
+            return _bwd_body(*args, forward=(self.problem, self.scale), plans=self.backward_plans)[:3]
+        return _bwd_op(*args)[:3]
+
+
+class _PlannedAttention(torch.autograd.Function):
+    """A forward call plan's call that autograd records (`_ForwardPlan.run`): the plan's forward
+    body, and its backward (`_ForwardPlan.backward`). Only in plain eager mode (plans are)."""
+
+    @classmethod
+    def apply(cls, *args):
+        """`Function.apply` less its argument binding through `inspect` (as `_EagerAttention.apply`)."""
+        return super(torch.autograd.Function, cls).apply(*args)
+
+    @staticmethod
+    def forward(plan, q, k, v):
+        return plan.forward(q, k, v)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)  # an unused lse (or o) gives None, not a zeros tensor
+        ctx.save_for_backward(*inputs[1:], *output)
+        ctx.plan = inputs[0]
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        return (None, *ctx.plan.backward(grad_o, grad_lse, *ctx.saved_tensors))
 
 
 _FORWARD_PLANS = plan_table()  # (forgotten with the launchers' plans: plan_tables.clear_plans)
