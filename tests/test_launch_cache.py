@@ -642,3 +642,25 @@ def test_api_call_plans_launch_what_the_full_path_launches(monkeypatch, layout):
     for p, f in zip(planned[0] + planned[1], full[0] + full[1], strict=True):
         assert p[0] == f[0]
         assert all(_alike(a, b) for a, b in zip(p[1], f[1], strict=True))
+
+
+def test_plans_keep_no_tensor_of_the_call_that_made_them(monkeypatch):
+    """A plan (and the api's call plans above it) must not hold the first call's tensors: a
+    training loop's first q, k, v, o would otherwise stay allocated for as long as the plan."""
+    import gc
+    import weakref
+
+    import fmha
+    from fmha import api
+
+    runs = _h200_path(monkeypatch)
+    ts = [torch.randn(2, 8, 256, 64).to(torch.bfloat16).requires_grad_() for _ in range(3)]
+    o = fmha.attention(*ts, causal=True)
+    torch.autograd.grad(o, ts, torch.randn_like(o))
+    o2 = fmha.attention(*ts, causal=True)  # (a planned call and its backward)
+    torch.autograd.grad(o2, ts, torch.randn_like(o2))
+    assert api._FORWARD_PLANS
+    refs = [weakref.ref(t) for t in (*ts, o, o2)]
+    del ts, o, o2, runs[:]  # (the recorder's own copies of the launches' arguments)
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -199,6 +199,7 @@ def make_plan(kernel, grid: tuple, *args, **kwargs) -> Plan | None:
     slots = tuple((i, a) for i, a in enumerate(args) if _is_descriptor(a))
     if not all(_over_whole_tensor(d) for _, d in slots):
         return None
+    slots = tuple((i, _without_tensor(d)) for i, d in slots)  # (a plan must not keep this call's tensors alive)
     return Plan(compiled, _grid3(grid), tail, device, slots, _direct_launch(compiled, slots))
 
 
@@ -268,6 +269,14 @@ def _idle(hook) -> bool:
     """No launch hook to call: Triton 3.6's hooks are chains, empty unless a profiler adds one
     (its launcher then calls the empty chain with launch metadata built for nothing)."""
     return hook is None or (type(hook) is HookChain and not hook.calls)
+
+
+def _without_tensor(d):
+    """Descriptor `d` without its tensor, shape and strides: what `_rebuilt` fills in again."""
+    proto = object.__new__(type(d))
+    proto.__dict__.update(d.__dict__)
+    proto.base = proto.shape = proto.strides = None
+    return proto
 
 
 def _rebuilt(proto, t):
