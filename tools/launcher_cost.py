@@ -2,16 +2,16 @@
 D=64 causal bf16): how much of a call is the api, how much our launcher, how much Triton's
 launcher (its Python wrapper, the TMA descriptor encoding, the C launch).
 
-Each line: host microseconds a call, the calls queued behind a GPU sleep (no launch waits),
-best of 5 runs of N calls.
+Each line: host microseconds a call, the calls queued behind a GPU sleep (no launch waits,
+tools/host_overhead_gpu.py's measure), best of 5 runs of N calls.
 
     PYTHONPATH=src python tools/launcher_cost.py [--calls N]
 """
 
 import sys
-import time
 
 import torch
+from host_overhead_gpu import _host_us  # (tools/ is on the path when a tool runs)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
@@ -19,16 +19,8 @@ from fmha.kernels import fwd_gluon, launch_cache
 
 
 def host_us(fn, calls: int) -> float:
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time: every call below only queues
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
+    """Best of 5 of host_overhead_gpu's host-only time (the calls queued behind a GPU sleep)."""
+    return min(_host_us(fn, calls) for _ in range(5))
 
 
 def main() -> int:

@@ -462,44 +462,39 @@ def _bwd_body(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_sl
     if seqused_k is not None:  # keys past seqused_k belong to no program: their gradient is 0
         dk.zero_()
         dv.zero_()
-    if planned is not None:  # (a plain eager backward again: its three launches' plans)
-        dq_acc = torch.zeros_like(dq, dtype=stats, memory_format=contiguous)
-        o_view, do_view = _kernel_view(o, prep), _kernel_view(do, prep)
-        planned.dot.launch(o_view, do_view, lse, delta)
-        planned.dkdv.launch(prep.q, prep.k, prep.v, do_view.contiguous() if planned.do_copied else do_view, lse,
-                            delta, dk_view, dv_view, _kernel_view(dq_acc, prep))
-        planned.convert.launch(dq_acc, dq)
-        if problem.seqlen_k == 1:
-            dq.zero_()  # (as below)
-            dk.zero_()
-        return dq, dk, dv, None, None
     dsinks_rows = torch.empty_like(delta) if want_dsinks else None
-    shared = _kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                          seed, offset)
     dbias_full = None
     if want_dbias:
         dbias_full = torch.zeros((problem.batch, problem.nhead_q, problem.seqlen_q, problem.seqlen_k),
                                  dtype=stats, device=q.device)
     o_view, do_view = _kernel_view(o, prep), _kernel_view(do, prep)
-    dot = None
-    with _device_guard(q):
-        if exact_delta:
-            kernels.launch_delta(prep.q, prep.k, prep.v, do_view, lse, delta, dlse=dlse,
-                                 sinks=sinks if want_dsinks else None, dsinks_rows=dsinks_rows,
-                                 **shared, **launches.stage1)
-        else:
-            dot = kernels.launch_dot_do_o(o_view, do_view, lse, delta, dlse=dlse, **shared, **launches.stage1)
-        if problem.deterministic:
-            kernels.launch_dkdv(prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view,
-                                dbias=dbias_full, **shared, **_algo(launches.dkdv))
-            kernels.launch_dq(prep.q, prep.k, prep.v, do_view, lse, delta, dq_view, **shared, **launches.dq)
-        else:
-            dq_acc = torch.zeros_like(dq, dtype=stats, memory_format=contiguous)
-            dkdv = _launch_dkdv(prep, launches.dkdv, do_view, lse, delta, dk_view, dv_view,
-                                _kernel_view(dq_acc, prep), dbias_full, shared)
-            convert = kernels.launch_convert_dq(dq_acc, dq, scale=prep.scale, **launches.convert)
-            if plan_key is not None and dot is not None and dkdv is not None and convert is not None:
-                keep_plan(table, plan_key, _BackwardPlan(dot, dkdv, convert, not _tma_aligned(do_view)))
+    if planned is not None:  # (a plain eager backward again: its three launches' plans)
+        dq_acc = torch.zeros_like(dq, dtype=stats, memory_format=contiguous)
+        planned.dot.launch(o_view, do_view, lse, delta)
+        planned.dkdv.launch(prep.q, prep.k, prep.v, do_view.contiguous() if planned.do_copied else do_view, lse,
+                            delta, dk_view, dv_view, _kernel_view(dq_acc, prep))
+        planned.convert.launch(dq_acc, dq)
+    else:
+        shared = _kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, seed, offset)
+        dot = None
+        with _device_guard(q):
+            if exact_delta:
+                kernels.launch_delta(prep.q, prep.k, prep.v, do_view, lse, delta, dlse=dlse,
+                                     sinks=sinks if want_dsinks else None, dsinks_rows=dsinks_rows,
+                                     **shared, **launches.stage1)
+            else:
+                dot = kernels.launch_dot_do_o(o_view, do_view, lse, delta, dlse=dlse, **shared, **launches.stage1)
+            if problem.deterministic:
+                kernels.launch_dkdv(prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view,
+                                    dbias=dbias_full, **shared, **_algo(launches.dkdv))
+                kernels.launch_dq(prep.q, prep.k, prep.v, do_view, lse, delta, dq_view, **shared, **launches.dq)
+            else:
+                dq_acc = torch.zeros_like(dq, dtype=stats, memory_format=contiguous)
+                dkdv = _launch_dkdv(prep, launches.dkdv, do_view, lse, delta, dk_view, dv_view,
+                                    _kernel_view(dq_acc, prep), dbias_full, shared)
+                convert = kernels.launch_convert_dq(dq_acc, dq, scale=prep.scale, **launches.convert)
+                if plan_key is not None and dot is not None and dkdv is not None and convert is not None:
+                    keep_plan(table, plan_key, _BackwardPlan(dot, dkdv, convert, not _tma_aligned(do_view)))
     if problem.seqlen_k == 1 and sinks is None and dlse is None:
         # Softmax over a single key: dS = P (dP - delta) is exactly 0 (delta = P dP), so dq, dk
         # and dbias are 0. The kernels form dP and delta in two different summation orders
@@ -595,22 +590,29 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_o, grad_lse):
     """The backward of `_fwd_op` (registered) and of `_EagerAttention`."""
     q, k, v, o, lse, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k = ctx.saved_tensors
-    if grad_o is None:  # only lse was used
-        grad_o = torch.zeros_like(o)
     want_dbias = bias is not None and ctx.needs_input_grad[3]
     want_dsinks = sinks is not None and ctx.needs_input_grad[5]
-    tensors = (grad_o, grad_lse, q, k, v, o, lse, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k)
-    op = _direct(_bwd_op, tensors, grad_free=False)  # (no double backward)
-    args = (grad_o.contiguous() if grad_o.stride(-1) != 1 else grad_o, grad_lse, o, lse, want_dbias,
-            want_dsinks, q, k, v, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k, *ctx.scalars)
-    if op is _bwd_op._init_fn:
-        # The op's body itself, with what the eager forward kept (`_EagerAttention`), and
-        # without the op's empty placeholders for an unwanted dbias / dsinks (None below).
-        dq, dk, dv, dbias, dsinks = _bwd_body(*args, forward=getattr(ctx, "fmha_forward", None))
-    else:
-        dq, dk, dv, dbias, dsinks = op(*args)
+    dq, dk, dv, dbias, dsinks = _run_backward(grad_o, grad_lse, o, lse, want_dbias, want_dsinks,
+                                              (q, k, v, bias, alibi_slopes, sinks, cu_q, cu_k, seqused_k),
+                                              ctx.scalars, getattr(ctx, "fmha_forward", None))
     return (dq, dk, dv, dbias if want_dbias else None, None,
             dsinks if want_dsinks else None) + (None,) * (len(ctx.scalars) + 3)
+
+
+def _run_backward(grad_o, grad_lse, o, lse, want_dbias: bool, want_dsinks: bool, tensors: tuple, scalars: tuple,
+                  forward: tuple[Problem, float] | None, plans: dict | None = None) -> tuple:
+    """The backward of a forward on `tensors` (q, k, v and the 6 optional tensors, `_OP_ARGS`
+    order) with op `scalars`: `_bwd_op`, or in plain eager mode its body itself, with what the
+    eager forward kept (`forward`, `plans`: see `_bwd_body`) and without the op's empty
+    placeholders for an unwanted dbias / dsinks (None there). No double backward."""
+    if grad_o is None:  # only lse was used
+        grad_o = torch.zeros_like(o)
+    op = _direct(_bwd_op, (grad_o, grad_lse, o, lse, *tensors), grad_free=False)
+    args = (grad_o.contiguous() if grad_o.stride(-1) != 1 else grad_o, grad_lse, o, lse, want_dbias,
+            want_dsinks, *tensors, *scalars)
+    if op is _bwd_op._init_fn:
+        return _bwd_body(*args, forward=forward, plans=plans)
+    return op(*args)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -1013,16 +1015,10 @@ class _ForwardPlan:
 
     def backward(self, grad_o, grad_lse, q, k, v, o, lse) -> tuple[Tensor, Tensor, Tensor]:
         """dq, dk, dv of the forward this plan ran on q, k, v (o, lse), as `_backward`."""
-        if grad_o is None:  # only lse was used
-            grad_o = torch.zeros_like(o)
-        if grad_o.stride(-1) != 1:
-            grad_o = grad_o.contiguous()
-        args = (grad_o, grad_lse, o, lse, False, False, q, k, v, None, None, None, None, None, None, *self.scalars)
-        if _direct(_bwd_op, (grad_o, grad_lse, q, k, v, o, lse), grad_free=False) is _bwd_op._init_fn:
-            if len(self.backward_plans) >= 16:  # (dO's metadata: a few variants at most)
-                self.backward_plans.clear()
-            return _bwd_body(*args, forward=(self.problem, self.scale), plans=self.backward_plans)[:3]
-        return _bwd_op(*args)[:3]
+        if len(self.backward_plans) >= 16:  # (dO's metadata: a few variants at most)
+            self.backward_plans.clear()
+        return _run_backward(grad_o, grad_lse, o, lse, False, False, (q, k, v) + (None,) * 6, self.scalars,
+                             (self.problem, self.scale), self.backward_plans)[:3]
 
 
 class _PlannedAttention(torch.autograd.Function):
