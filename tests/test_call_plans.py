@@ -2,15 +2,18 @@
 the same scalars skips validation, description and dispatch (api._ForwardPlan), and a plain
 eager backward repeats its three launches' plans (api._BackwardPlan). A plan must give what
 the full path gives, and must never serve a call the full path would refuse. (That planned
-launches pass what the launchers build: tests/test_launch_cache.py.)"""
+launches pass what the launchers build: tests/test_launch_cache.py, which also holds the decode
+call plans' tests on the H200 path: CPU tensors never take one, below.)"""
 
+import numpy as np
 import pytest
 import torch
 
 import fmha
-from fmha import api
+from fmha import api, kvcache, reference
+from fmha.numerics import max_abs_error
 
-from attn_testing import SeenOps, make_qkv
+from attn_testing import SeenOps, make_qkv, randn
 
 
 def _qkv(rng, layout="bhsd", requires_grad=False):
@@ -111,3 +114,27 @@ def test_a_dispatcher_change_forgets_the_plans(rng):
     assert len(api._FORWARD_PLANS) == 1
     with api.use_dispatcher(None):
         assert not api._FORWARD_PLANS
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_on_cpu_tensors_takes_no_call_plan(rng, num_splits):
+    """The full path checks CPU tensors' index values on every call (kvcache._reads_values), so
+    a decode call on them never takes a call plan: repeated calls match the float64 reference,
+    and a bad value is refused after them."""
+    batch, hq, hk, d, page, pages = 2, 4, 2, 16, 8, 3
+    table = torch.randperm(batch * pages, generator=rng).int().reshape(batch, pages)
+    seqlens = torch.tensor([pages * page, 5], dtype=torch.int32)
+    for _ in range(2):
+        q = randn((batch, 1, hq, d), torch.float32, rng)
+        kc, vc = (randn((batch * pages, page, hk, d), torch.float32, rng) for _ in range(2))
+        o, lse = fmha.attention_with_kvcache(q, kc, vc, block_table=table, cache_seqlens=seqlens, causal=True,
+                                             num_splits=num_splits, return_lse=True)
+        ro, rl, _, _ = reference.attention_with_kvcache(
+            *(t.double().numpy() for t in (q, kc, vc)), cache_seqlens=seqlens.numpy(), block_table=table.numpy(),
+            causal=True)
+        assert max_abs_error(o, torch.from_numpy(ro)) < 1e-4 and max_abs_error(lse, torch.from_numpy(rl)) < 1e-4
+        assert np.isfinite(rl).all()
+    assert not kvcache._DECODE_CALL_PLANS
+    with pytest.raises(ValueError, match="capacity"):
+        fmha.attention_with_kvcache(q, kc, vc, block_table=table, cache_seqlens=seqlens + pages * page,
+                                    causal=True, num_splits=num_splits)

@@ -117,6 +117,42 @@ def test_paged_decode_step_at_serving_sizes(rng, batch, nhead_q, nhead_k, head_d
                     lambda lse, b, rows: lse[b:b + 1], causal=True)
 
 
+@pytest.mark.parametrize("num_splits", [0, 1])
+@pytest.mark.parametrize("form", ["block_table", "indptr"])
+def test_planned_decode_calls_match_the_truth(rng, monkeypatch, form, num_splits):
+    """A decode step repeated with new inputs of the same metadata (other lengths, pages, values)
+    takes the call plan (kvcache._DecodeCallPlan) and the launchers' plans, launched through
+    Triton's C launcher directly: each step against the float64 truth. The pool and the
+    kv_indices buffer keep their sizes, as in a serving loop."""
+    from fmha import kvcache
+
+    batch, nhead_q, nhead_k, head_dim, page, context = 8, 32, 8, 128, 64, 8192
+    capacity = batch * context // page
+    full_path = []
+    check_queries = kvcache._check_queries
+    monkeypatch.setattr(kvcache, "_check_queries", lambda *a: full_path.append(1) or check_queries(*a))
+    for _ in range(2):  # the first call makes the plans, the second runs them
+        lengths = lengths_up_to(rng, batch, context)  # (the longest fills its table row: one width)
+        pages = sum(-(-n // page) for n in lengths)
+        pool = PagePool(rng, lengths, page_size=page, nhead_k=nhead_k, head_dim=head_dim,
+                        spare_pages=capacity - pages)
+        q = randn((batch, 1, nhead_q, head_dim), BF16, rng, CUDA)
+        if form == "indptr":
+            index = pool.indptr_tables()
+            unused = torch.zeros(capacity - pages, dtype=torch.int32, device=CUDA)  # (past kv_indptr[-1])
+            index["kv_indices"] = torch.cat([index["kv_indices"], unused])
+        else:
+            index = dict(block_table=pool.block_table(), cache_seqlens=i32(lengths))
+        o, lse = fmha.attention_with_kvcache(q, pool.k, pool.v, causal=True, num_splits=num_splits,
+                                             return_lse=True, **index)
+        check_sequences(o, lse, q, pool, [slice(b, b + 1) for b in range(batch)],
+                        lambda lse, b, rows: lse[b:b + 1], causal=True)
+    assert len(full_path) == 1
+    (planned,) = kvcache._DECODE_CALL_PLANS.values()
+    assert (planned.combine is None) == (num_splits == 1)  # (num_splits=0 picks several here)
+    assert all(p.plan.direct is not None for p in planned.launches)
+
+
 def test_paged_and_contiguous_caches_give_identical_results(rng):
     """Same keys, same split count: page sizes 1, 64 (one id per tile) and 256, block table
     or indptr tables, give bitwise the contiguous cache's output."""

@@ -664,3 +664,171 @@ def test_plans_keep_no_tensor_of_the_call_that_made_them(monkeypatch):
     del ts, o, o2, runs[:]  # (the recorder's own copies of the launches' arguments)
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def _decode_h200_path(monkeypatch):
+    """attention_with_kvcache on CPU tensors as for CUDA tensors on an H200 (sm90, 132 SMs, no
+    host-side checks of index values, as outside debug mode): the compiled kvcache launchers
+    with their plans; launches are recorded, not run (_recorded_runs). Returns (runs, the count
+    of calls that took the full path)."""
+    from fmha import kvcache as api_kvcache
+    from fmha.kernels import loader
+
+    runs = _recorded_runs(monkeypatch)
+    monkeypatch.setattr(api_kvcache, "family_module",  # (compiled module: the launchers' plans)
+                        lambda name, interpreted=False: loader.family_module(name, interpreted=False))
+    monkeypatch.setattr(api_kvcache, "_reads_values", lambda device: False)
+    monkeypatch.setattr(api_kvcache, "_arch", lambda device: "sm90")
+    monkeypatch.setattr(api_kvcache, "_sm_count", lambda device: 132)
+    full_path = []
+    check_queries = api_kvcache._check_queries
+
+    def counted(*args):
+        full_path.append(1)
+        return check_queries(*args)
+
+    monkeypatch.setattr(api_kvcache, "_check_queries", counted)
+    return runs, full_path
+
+
+_DECODE_B, _DECODE_HQ, _DECODE_HK, _DECODE_D, _DECODE_PAGE, _DECODE_S = 4, 8, 2, 64, 16, 4096
+
+
+def _decode_inputs(tables: str, cache_dtype=torch.bfloat16) -> dict:
+    """A decode step's arguments at a size where num_splits=0 picks several splits on the H200
+    path: new tensors of the same metadata on each call (pools expanded from one page: no kernel
+    reads them)."""
+    b, hq, hk, d, page, s = _DECODE_B, _DECODE_HQ, _DECODE_HK, _DECODE_D, _DECODE_PAGE, _DECODE_S
+    n = b * s // page
+    q = torch.randn(b, 1, hq, d).to(torch.bfloat16)
+    lengths = torch.randint(1, s + 1, (b,), dtype=torch.int32)
+    if tables == "contiguous":
+        cache = torch.empty(1, s, hk, d, dtype=cache_dtype).expand(b, s, hk, d)
+        return dict(q=q, k_cache=cache, v_cache=cache.clone(), cache_seqlens=lengths)
+    pool = torch.empty(1, page, hk, d, dtype=cache_dtype).expand(n, page, hk, d)
+    table = torch.randperm(n).int().reshape(b, s // page)
+    if tables == "block_table":
+        return dict(q=q, k_cache=pool, v_cache=pool, block_table=table, cache_seqlens=lengths)
+    return dict(q=q, k_cache=pool, v_cache=pool, kv_indices=table.reshape(-1).contiguous(),
+                kv_indptr=torch.arange(0, n + 1, s // page, dtype=torch.int32),
+                kv_last_page_len=torch.randint(1, page + 1, (b,), dtype=torch.int32))
+
+
+@pytest.mark.parametrize("tables", ["contiguous", "block_table", "indptr"])
+@pytest.mark.parametrize("num_splits", [0, 1, 4])
+def test_decode_call_plans_launch_what_the_full_path_launches(monkeypatch, tables, num_splits):
+    """On the H200 path: a plain decode call repeated with new inputs of the same metadata takes
+    its call plan (no validation, description or dispatch) and launches the kernels, grids and
+    arguments the full path launches for those inputs (after clear_plans): the inputs
+    themselves, outputs alike, into the o and lse it returns."""
+    import fmha
+    from fmha import kvcache as api_kvcache
+
+    runs, full_path = _decode_h200_path(monkeypatch)
+
+    def call(args):
+        del runs[:]
+        o, lse = fmha.attention_with_kvcache(**args, num_splits=num_splits, causal=True, return_lse=True)
+        return o, lse, list(runs)
+
+    call(_decode_inputs(tables))
+    second = _decode_inputs(tables)
+    planned = call(second)
+    assert len(full_path) == 1 and len(api_kvcache._DECODE_CALL_PLANS) == 1
+    launch_cache.clear_plans()
+    full = call(second)
+    assert len(full_path) == 2
+    assert len(planned[2]) == len(full[2]) == (1 if num_splits == 1 else 2)  # (num_splits=0: several, combined)
+    inputs = {id(t) for t in second.values()}
+    for (o, lse, launches) in (planned, full):
+        assert any(a is o for a in launches[-1][1]) and any(a is lse for a in launches[-1][1])
+    for p, f in zip(planned[2], full[2], strict=True):
+        assert p[0] == f[0]
+        for a, b in zip(p[1], f[1], strict=True):
+            assert _alike(a, b) and (a is b or (id(a) not in inputs and id(b) not in inputs))
+    for a, b in zip(planned[:2], full[:2], strict=True):
+        assert _alike(a, b) and a.device == b.device
+
+
+@pytest.mark.parametrize("kw, bad, error", [
+    (dict(causal=True), dict(causal=1), TypeError),  # (1 == True: the key alone would match)
+    (dict(scale=1.0), dict(scale=True), ValueError),
+    (dict(softcap=0.0), dict(softcap=False), ValueError),
+    (dict(window=(3, 0)), dict(window=(3, False)), ValueError),
+    (dict(sink_size=0), dict(sink_size=False), ValueError),
+    (dict(num_splits=2), dict(num_splits=2.0), ValueError),
+    (dict(mask_align="top_left"), dict(mask_align="top-left"), ValueError),
+    (dict(), dict(max_seqlen_q=1), ValueError),
+    (dict(), dict(cache_seqlens=torch.zeros(_DECODE_B, dtype=torch.int64)), TypeError),
+    (dict(), dict(block_table=torch.zeros(_DECODE_B + 1, 2, dtype=torch.int32)), ValueError),
+])
+def test_a_decode_call_plan_never_serves_a_call_the_full_path_refuses(monkeypatch, kw, bad, error):
+    import fmha
+    from fmha import kvcache as api_kvcache
+
+    _decode_h200_path(monkeypatch)
+    args = _decode_inputs("block_table")
+    for _ in range(2):
+        fmha.attention_with_kvcache(**args, **kw)
+    assert len(api_kvcache._DECODE_CALL_PLANS) == 1
+    with pytest.raises(error):
+        fmha.attention_with_kvcache(**{**args, **kw, **bad})
+
+
+def test_decode_calls_with_features_or_value_checks_take_no_call_plan(monkeypatch):
+    """ALiBi, sinks, appended k/v (with RoPE or not), a float8 cache, a cache batch index, an
+    int cache_seqlens: the full path every time. So too where the full path checks index values
+    on the host (CPU tensors, debug mode): a plan made without those checks never serves such a
+    call, which still refuses a bad value."""
+    import fmha
+    from fmha import kvcache as api_kvcache
+
+    _decode_h200_path(monkeypatch)
+    b, hq, hk, d = _DECODE_B, _DECODE_HQ, _DECODE_HK, _DECODE_D
+    args = _decode_inputs("block_table")
+    new = torch.randn(b, 1, hk, d).to(torch.bfloat16)
+    cos, sin = torch.randn(_DECODE_S + 1, d // 2), torch.randn(_DECODE_S + 1, d // 2)
+    appended = dict(args, cache_seqlens=args["cache_seqlens"] - 1)
+    contiguous = _decode_inputs("contiguous")
+    calls = [
+        dict(args, alibi_slopes=torch.rand(hq)),
+        dict(args, sinks=torch.randn(hq)),
+        dict(appended, k=new, v=new),
+        dict(appended, k=new, v=new, rotary_cos=cos, rotary_sin=sin),
+        dict(_decode_inputs("block_table", cache_dtype=torch.float8_e4m3fn), num_splits=1),
+        dict(contiguous, cache_batch_idx=torch.arange(b, dtype=torch.int32)),
+        dict(contiguous, cache_seqlens=100),
+    ]
+    for call in calls:
+        for _ in range(2):
+            fmha.attention_with_kvcache(**call)
+    assert not api_kvcache._DECODE_CALL_PLANS
+    for _ in range(2):
+        fmha.attention_with_kvcache(**args)
+    assert len(api_kvcache._DECODE_CALL_PLANS) == 1
+    monkeypatch.setattr(api_kvcache, "_reads_values", lambda device: True)  # (debug mode)
+    fmha.attention_with_kvcache(**args)
+    with pytest.raises(ValueError, match="capacity"):
+        fmha.attention_with_kvcache(**dict(args, cache_seqlens=args["cache_seqlens"] + _DECODE_S))
+
+
+def test_decode_call_plans_follow_the_dispatcher(monkeypatch):
+    """A call plan holds the dispatcher's answer: another split policy on the same dispatcher
+    (which `_decode_plan` sees) takes the full path, and set_dispatcher forgets the plans."""
+    import fmha
+    from fmha import kvcache as api_kvcache
+
+    runs, full_path = _decode_h200_path(monkeypatch)
+    dispatcher = fmha.Dispatcher()
+    args = _decode_inputs("indptr")
+    with fmha.api.use_dispatcher(dispatcher):
+        for _ in range(2):
+            del runs[:]
+            fmha.attention_with_kvcache(**args)
+        assert len(full_path) == 1 and len(runs) == 2  # (several splits, combined)
+        dispatcher.split_policy = fmha.SplitPolicy(max_splits=1)
+        del runs[:]
+        fmha.attention_with_kvcache(**args)
+        assert len(full_path) == 2 and len(runs) == 1  # the new policy's one split
+        fmha.set_dispatcher(dispatcher)
+        assert not api_kvcache._DECODE_CALL_PLANS

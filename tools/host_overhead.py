@@ -11,8 +11,10 @@ with their launchers' host work: descriptors, kernel specs, `launch_cache` keys;
 
 Decode: `fmha.attention_with_kvcache` at the decode bench's 32k shape (B=8 Hq=32 Hk=8
 D=128 bf16, Sq=1, pages of 64), through a block table and through FlashInfer/SGLang tables,
-with the split count picked (num_splits=0) and forced; launchers stubbed whole, then ("H200
-path" lines) the real launchers with only the final launch stubbed.
+with the split count picked (num_splits=0) and forced; launchers stubbed whole (they return
+no launch plan, so every call takes the full path), then ("H200 path" lines) the real launchers
+with only the final launch stubbed (repeated calls take the decode call plan,
+`kvcache._DecodeCallPlan`).
 The decode calls take the path of CUDA tensors on an H200: dispatch for sm90 with 132
 SMs (so num_splits=0 picks 4 splits and the combine kernel runs) and no host-side checks
 of index values (CUDA tensors skip them outside debug mode). Device ops on CPU tensors are

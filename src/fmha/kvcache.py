@@ -15,7 +15,9 @@ combine kernel, which also serves `merge_states`.
 Host cost per call (a decode step's kernels take a few hundred microseconds, so Python on
 the way to them matters, tools/host_overhead.py): the dispatcher's answer (configs, split
 count) is cached per problem; the FlashInfer/SGLang tables go to the kernel as they are
-(it computes each sequence's key count), so they cost no device ops of their own.
+(it computes each sequence's key count), so they cost no device ops of their own. A plain
+decode call repeated with inputs of the same metadata takes its call plan
+(`_DecodeCallPlan`): it allocates the outputs and relaunches the launchers' own plans.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from . import validation as V
-from .api import _algorithm_args, _arch_of, _device_guard, get_dispatcher
+from .api import _algorithm_args, _arch_of, _device_guard, _meta, _plain_eager, get_dispatcher
 from .configs import Family
 from .dispatcher import Dispatcher
 from .kernels.loader import family_module
+from .kernels.plan_tables import keep_plan, plan_table
 from .problem import MaskAlign, Problem
 
 Tensor = torch.Tensor
@@ -208,8 +211,15 @@ _PLANS_MAX = 1024  # per dispatcher
 
 
 def clear_plans() -> None:
-    """Forget every cached KV-cache plan (fmha.set_dispatcher calls this)."""
+    """Forget every cached KV-cache plan and call plan (fmha.set_dispatcher calls this)."""
     _PLANS.clear()
+    _DECODE_CALL_PLANS.clear()
+
+
+def _dispatch_state(dispatcher: Dispatcher) -> tuple:
+    """The dispatcher's parts that `_decode_plan`'s key holds besides the call's own."""
+    registry = dispatcher.registry
+    return (dispatcher.split_policy, registry, len(registry), dispatcher.heuristic, dispatcher.tuning)
 
 
 def _decode_plan(dispatcher: Dispatcher, problem: Problem, *, append: bool, num_splits: int,
@@ -218,9 +228,7 @@ def _decode_plan(dispatcher: Dispatcher, problem: Problem, *, append: bool, num_
     plans = _PLANS.get(dispatcher)
     if plans is None:
         plans = _PLANS.setdefault(dispatcher, {})
-    registry = dispatcher.registry
-    key = (problem, append, num_splits, sm_count, dispatcher.split_policy, registry, len(registry),
-           dispatcher.heuristic, dispatcher.tuning)
+    key = (problem, append, num_splits, sm_count, *_dispatch_state(dispatcher))
     try:
         plan = plans.get(key)
     except TypeError:  # an unhashable heuristic (a callable object with __eq__): not cached
@@ -302,6 +310,24 @@ def attention_with_kvcache(
     Returns: o (B, Sq, Hq, Dv) [varlen: (total_q, Hq, Dv)] in q's dtype, and, if
         return_lse, lse (B, Hq, Sq) [varlen: (Hq, total_q)] fp32.
     """
+    key = None
+    if (k is None and v is None and rotary_cos is None and rotary_sin is None and alibi_slopes is None
+            and sinks is None and cache_batch_idx is None and cu_seqlens_q is None and max_seqlen_q is None
+            and k_descale is None and v_descale is None and type(q) is Tensor and type(k_cache) is Tensor
+            and type(v_cache) is Tensor
+            and _plain_index(cache_seqlens, block_table, kv_indptr, kv_indices, kv_last_page_len)
+            and _plain_decode_scalars(num_splits, scale, causal, window, mask_align, sink_size, softcap)
+            and not _reads_values(q.device) and _plain_eager()):
+        key = (_meta(q), _meta(k_cache), _meta(v_cache), _meta(cache_seqlens), _meta(block_table),
+               _meta(kv_indptr), _meta(kv_indices), _meta(kv_last_page_len), num_splits, scale, causal, window,
+               mask_align, sink_size, softcap)
+        call_plan = _DECODE_CALL_PLANS.get(key)
+        if call_plan is not None:
+            indptr_tables = kv_indptr is not None
+            out = call_plan.run(q, k_cache, v_cache, kv_last_page_len if indptr_tables else cache_seqlens,
+                                kv_indices if indptr_tables else block_table, kv_indptr)
+            if out is not None:
+                return out if return_lse else out[0]
     qs = _check_queries(q, cu_seqlens_q, max_seqlen_q)
     V.check_tensor("k_cache", k_cache, 4)
     V.check_tensor("v_cache", v_cache, 4)
@@ -356,7 +382,8 @@ def attention_with_kvcache(
         sink_size=sink_size, alibi=alibi_slopes is not None, softcap=float(softcap),
         sinks=sinks is not None, varlen=qs.varlen, seqused_k=True, paged_kv=paged,
     )
-    plan = _decode_plan(get_dispatcher(), problem, append=k is not None, num_splits=num_splits,
+    dispatcher = get_dispatcher()
+    plan = _decode_plan(dispatcher, problem, append=k is not None, num_splits=num_splits,
                         sm_count=_sm_count(q.device))
     splits = plan.splits
     kernels = family_module("kvcache", interpreted=q.device.type == "cpu")
@@ -395,20 +422,108 @@ def attention_with_kvcache(
                     align_bottom_right=align == MaskAlign.BOTTOM_RIGHT,
                     **plan.attention,
                     **(dict(k_descale=kd2, v_descale=vd2) if kv_fp8 else {}))
+        combined = None
         if splits == 1:
-            kernels.launch_attention(q, k_cache, v_cache, o, lse, num_splits=1, **attn)
+            attended = kernels.launch_attention(q, k_cache, v_cache, o, lse, num_splits=1, **attn)
         else:
             # partial results (splits, B, Hq, Sq, Dv) [varlen: (splits, Hq, total_q, Dv)]
             part_rows = (nhead_q, q.shape[0]) if qs.varlen else (batch, nhead_q, seqlen_q)
             o_parts = torch.empty((splits, *part_rows, head_dim_v), dtype=torch.float32, device=q.device)
             lse_parts = torch.empty((splits, *part_rows), dtype=torch.float32, device=q.device)
-            kernels.launch_attention(q, k_cache, v_cache, o_parts, lse_parts, num_splits=splits, **attn)
+            attended = kernels.launch_attention(q, k_cache, v_cache, o_parts, lse_parts, num_splits=splits, **attn)
             # the combine reads rows (b * Hq + h) * Sq + i; varlen is one batch of total_q rows
             o4, lse3 = (o[None], lse[None]) if qs.varlen else (o, lse)
-            kernels.launch_combine(o_parts.view(splits, -1, head_dim_v), lse_parts.view(splits, -1), o4, lse3,
-                                   nheads=nhead_q, seqlen=o4.shape[1], sinks=sinks,
-                                   **plan.combine)
+            combined = kernels.launch_combine(o_parts.view(splits, -1, head_dim_v), lse_parts.view(splits, -1),
+                                              o4, lse3, nheads=nhead_q, seqlen=o4.shape[1], sinks=sinks,
+                                              **plan.combine)
+    if key is not None and attended is not None and (splits == 1 or combined is not None):
+        state = _dispatch_state(dispatcher)
+        if _hashable(state):  # (else `_decode_plan` asks the dispatcher on every call: so must the call)
+            keep_plan(_DECODE_CALL_PLANS, key, _DecodeCallPlan(dispatcher, state, o.shape, lse_shape, splits,
+                                                               attended, combined))
     return (o, lse) if return_lse else o
+
+
+# ----------------------------------------------------------------------------------------
+# Decode call plans: a plain decode call repeated with inputs of the same metadata.
+
+_REAL = (float, int)
+
+
+def _plain_index(cache_seqlens, block_table, kv_indptr, kv_indices, kv_last_page_len) -> bool:
+    """Index arguments a call plan takes as they are: tensors (or None), with cache_seqlens a
+    tensor unless the indptr tables give the lengths (an int or None is turned into a tensor
+    by the full path on every call)."""
+    for t in (block_table, kv_indptr, kv_indices, kv_last_page_len):
+        if t is not None and type(t) is not Tensor:
+            return False
+    return cache_seqlens is None if kv_indptr is not None else type(cache_seqlens) is Tensor
+
+
+def _plain_decode_scalars(num_splits, scale, causal, window, mask_align, sink_size, softcap) -> bool:
+    """Scalars of the types a call plan's key tells apart (bools as bools, ints as ints, a float
+    or None scale): equal keys then mean calls validation treats alike."""
+    return type(num_splits) is int and (type(scale) is float or scale is None) and type(causal) is bool \
+        and type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int \
+        and type(mask_align) is str and type(sink_size) is int and type(softcap) in _REAL
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+class _DecodeCallPlan:
+    """What a validated plain decode call (no new k/v, rotary, ALiBi, sinks, cache batch index,
+    varlen queries or float8 cache; CUDA tensors outside debug mode, whose index values the full
+    path does not read either) repeats for inputs of the same metadata and scalars
+    (`attention_with_kvcache`'s key): the outputs' shapes, the split count and the launchers'
+    own plans (kernels/kvcache.py). Checks, description and dispatch ran for the call that made
+    it; a later call of the same key would pass them alike, and would get the same kernels
+    while the dispatcher and the parts `_decode_plan` keys on are the same."""
+
+    __slots__ = ("dispatcher", "dispatch_state", "o_shape", "lse_shape", "splits", "attention", "combine",
+                 "launches", "runnable")
+
+    def __init__(self, dispatcher: Dispatcher, dispatch_state: tuple, o_shape, lse_shape, splits: int, attention,
+                 combine) -> None:
+        from .kernels.launch_cache import runnable  # (Triton is loaded by now: the launchers ran)
+
+        self.dispatcher, self.dispatch_state = dispatcher, dispatch_state
+        self.o_shape, self.lse_shape, self.splits = tuple(o_shape), tuple(lse_shape), splits
+        self.attention, self.combine = attention, combine
+        self.launches = (attention,) if combine is None else (attention, combine)
+        self.runnable = runnable
+
+    def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, table: Tensor | None,
+            indptr: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """o, lse as the full path computes them; None where the plan may not run (another
+        dispatcher state, or a launcher plan that may not launch now): then the full path runs.
+        lengths: cache_seqlens, or kv_last_page_len with indptr tables; table: block_table or
+        kv_indices."""
+        dispatcher = get_dispatcher()
+        if (dispatcher is not self.dispatcher or _dispatch_state(dispatcher) != self.dispatch_state
+                or not self.runnable(*self.launches)):
+            return None
+        # (no device guard: `runnable` found the current device to be the plans', q's device)
+        o = q.new_empty(self.o_shape)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.combine is None:
+            self.attention.launch(q, k_cache, v_cache, o, lse, lengths, table, indptr)
+            return o, lse
+        splits, head_dim_v = self.splits, self.o_shape[-1]
+        # partial results (splits, B, Hq, Sq, Dv): lse's rows (the queries are not packed here)
+        o_parts = torch.empty((splits, *self.lse_shape, head_dim_v), dtype=torch.float32, device=q.device)
+        lse_parts = torch.empty((splits, *self.lse_shape), dtype=torch.float32, device=q.device)
+        self.attention.launch(q, k_cache, v_cache, o_parts, lse_parts, lengths, table, indptr)
+        self.combine.launch(o_parts.view(splits, -1, head_dim_v), lse_parts.view(splits, -1), o, lse)
+        return o, lse
+
+
+_DECODE_CALL_PLANS = plan_table()  # (forgotten with the launchers' plans: plan_tables.clear_plans)
 
 
 def _check_new_kv(qs: _Queries, q, k, v, nhead_k: int, head_dim_v: int) -> None:

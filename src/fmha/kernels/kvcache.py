@@ -393,7 +393,7 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
                      alibi_slopes=None, sinks=None, num_splits: int, scale: float, softcap: float,
                      window: tuple[int, int], sink_size: int, align_bottom_right: bool,
                      block_m: int, block_n: int, num_warps: int, num_stages: int,
-                     dot_precision: str, k_descale=None, v_descale=None) -> None:
+                     dot_precision: str, k_descale=None, v_descale=None) -> launch_cache.Planned | None:
     """q (B, Sq, Hq, D), or packed (total_q, Hq, D) with cu_seqlens_q (B + 1,) and
     max_seqlen_q; caches (B_cache, S, Hk, D) or (pages, page_size, Hk, D) with a
     block_table (B, max_pages), or kv_indptr (B + 1,) and the flat kv_indices as block_table.
@@ -406,6 +406,10 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
     [(splits, Hq, total_q, Dv)] and lse (splits, B, Hq, Sq) [(splits, Hq, total_q)]: partial
     results whose rows flatten to (b * Hq + h) * Sq + i [h * total_q + i], as
     `launch_combine` reads them.
+
+    Returns the launch plan this call ran or made (the plain decode; None otherwise):
+    `Planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr)` repeats it,
+    lengths being seqlens_k, or kv_last_page_len with kv_indptr.
     """
     varlen = cu_seqlens_q is not None
     # the kernel's SeqlensK: the key counts, or kv_last_page_len with indptr tables
@@ -425,10 +429,8 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
                block_m, block_n, num_warps, num_stages, dot_precision)
         planned = _ATTENTION_PLANS.get(key)
         if planned is not None:
-            launch_cache.run_plan(planned[0], *_attention_tensors(q, k_cache, v_cache, o, lse, lengths, None, None,
-                                                                  block_table, kv_indptr, None, None),
-                                  *planned[1])
-            return
+            planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr)
+            return planned
     if varlen:
         batch, seqlen_q = cu_seqlens_q.numel() - 1, max_seqlen_q
         nheads_q, head_dim_qk = q.shape[1], q.shape[2]
@@ -448,7 +450,7 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
     left, right = window
     grid = (cdiv(seqlen_q * (nheads_q // nheads_k), block_m) * batch * nheads_k * num_splits,)
     if grid[0] == 0:
-        return
+        return None
     paging = _paging(block_table, kv_indptr, k_cache.shape[1], block_n)
     # (after the tensors: every argument fixed by the plan's key)
     tail = (*q_strides,
@@ -471,8 +473,11 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=padded_dim(head_dim_qk), BLOCK_DV=padded_dim(head_dim_v),
         num_warps=num_warps, num_stages=num_stages, **_fp8_args(k_cache, k_descale, v_descale),
     )
-    if key is not None and plan is not None:
-        launch_cache.keep_plan(_ATTENTION_PLANS, key, (plan, tail))
+    if key is None or plan is None:
+        return None
+    planned = launch_cache.Planned(plan, splitkv_kernel, tail, _plain_attention_tensors)
+    launch_cache.keep_plan(_ATTENTION_PLANS, key, planned)
+    return planned
 
 
 def _attention_tensors(q, k_cache, v_cache, o, lse, lengths, alibi_slopes, sinks, block_table, kv_indptr,
@@ -483,6 +488,11 @@ def _attention_tensors(q, k_cache, v_cache, o, lse, lengths, alibi_slopes, sinks
 
     return (q, k_cache, v_cache, o, lse, given(alibi_slopes), given(sinks), given(block_table), given(kv_indptr),
             given(cache_batch_idx), lengths, given(cu_seqlens_q))
+
+
+def _plain_attention_tensors(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr) -> tuple:
+    """`_attention_tensors` of the plain decode (no ALiBi, sinks, batch index or varlen queries)."""
+    return _attention_tensors(q, k_cache, v_cache, o, lse, lengths, None, None, block_table, kv_indptr, None, None)
 
 
 _ATTENTION_PLANS = launch_cache.plan_table()
@@ -508,10 +518,12 @@ def _fp8_args(k_cache, k_descale, v_descale) -> dict:
 
 
 def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sinks=None,
-                   block_m: int, num_warps: int, **_unused) -> None:
+                   block_m: int, num_warps: int, **_unused) -> launch_cache.Planned | None:
     """o_parts (n, R, D) with rows r = (b * nheads + h) * seqlen + i; lse_parts (n, R).
 
     o is addressed as (B, Sq, H, D) [strides of o.permute], lse as (B, H, Sq).
+    Returns the launch plan this call ran or made (without sinks; None otherwise):
+    `Planned.launch(o_parts, lse_parts, o, lse)` repeats it.
     """
     key = None
     if sinks is None and launch_cache.plans_enabled(combine_kernel):
@@ -521,11 +533,11 @@ def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sink
                block_m, num_warps)
         planned = _COMBINE_PLANS.get(key)
         if planned is not None:
-            launch_cache.run_plan(planned[0], o_parts, lse_parts, o, lse, lse, *planned[1])
-            return
+            planned.launch(o_parts, lse_parts, o, lse)
+            return planned
     n_parts, n_rows, head_dim = o_parts.shape
     if n_rows == 0:
-        return
+        return None
     grid = (cdiv(n_rows, block_m),)
     tail = (n_parts, n_rows, nheads, seqlen, head_dim,
             o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0),
@@ -534,8 +546,16 @@ def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sink
         o_parts, lse_parts, o, lse, sinks if sinks is not None else lse, *tail,
         HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_D=padded_dim(head_dim), num_warps=num_warps,
     )
-    if key is not None and plan is not None:
-        launch_cache.keep_plan(_COMBINE_PLANS, key, (plan, tail))
+    if key is None or plan is None:
+        return None
+    planned = launch_cache.Planned(plan, combine_kernel, tail, _combine_tensors_without_sinks)
+    launch_cache.keep_plan(_COMBINE_PLANS, key, planned)
+    return planned
+
+
+def _combine_tensors_without_sinks(o_parts, lse_parts, o, lse) -> tuple:
+    """combine_kernel's tensors without sinks (lse in the unused place)."""
+    return o_parts, lse_parts, o, lse, lse
 
 
 def launch_rotary_append(src, dst, *, base, cos=None, sin=None, interleaved=False, block_table=None,
