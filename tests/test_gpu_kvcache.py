@@ -267,6 +267,42 @@ def test_paged_decode_with_indptr_tables_captured_in_a_cuda_graph(rng):
         assert torch.equal(out, step())
 
 
+@pytest.mark.parametrize("num_splits", [0, 1])
+def test_planned_decode_step_captured_in_a_cuda_graph(rng, monkeypatch, num_splits):
+    """A plain decode step (no append) captured once its call plan exists: the capture records
+    the plan's direct launches, and replays with new lengths, tables and queries give what an
+    eager step gives then."""
+    from fmha import kvcache
+
+    batch, Hq, Hk, D, page, pages = 8, 32, 8, 128, 64, 64
+    kc = randn((batch * pages, page, Hk, D), BF16, rng, CUDA)
+    vc = randn((batch * pages, page, Hk, D), BF16, rng, CUDA)
+    table = torch.randperm(batch * pages, device=CUDA).int().reshape(batch, pages)
+    seqlens = i32([4096] * batch)
+    q = randn((batch, 1, Hq, D), BF16, rng, CUDA)
+    full_path = []
+    check_queries = kvcache._check_queries
+    monkeypatch.setattr(kvcache, "_check_queries", lambda *a: full_path.append(1) or check_queries(*a))
+
+    def step():
+        return fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, causal=True,
+                                           num_splits=num_splits)
+    step()  # compile and plan outside the capture
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    assert len(full_path) == 1  # (the second call and the captured one ran the plan)
+    for lengths in ([4096, 1, 64, 65, 3000, 129, 2, 777], [1] * batch):
+        seqlens.copy_(i32(lengths))
+        table.copy_(torch.randperm(batch * pages, device=CUDA).int().reshape(batch, pages))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step())
+
+
 def test_batch_prefill_captured_in_a_cuda_graph(rng):
     """Fixed max_seqlen_q and total_q; the split of queries among sequences and the cache
     lengths change between replays."""

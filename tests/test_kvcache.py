@@ -140,6 +140,7 @@ def test_split_attention_merged_equals_full_attention(rng):
     (dict(cache_seqlens=torch.tensor([3, 40, 0], dtype=torch.int32)), "exceeds the cache capacity"),
     (dict(rotary_cos=torch.ones(8, 4), rotary_sin=torch.ones(8, 4)), "pass k and v"),
     (dict(num_splits=200), "num_splits=200"),
+    (dict(num_splits=True), "num_splits=True"),  # (a bool is an int to isinstance)
     (dict(block_table=torch.full((3, 6), 99, dtype=torch.int32)), "outside the page pool"),
 ])
 def test_bad_kvcache_input_names_the_argument(rng, bad, message):

@@ -757,6 +757,7 @@ def test_decode_call_plans_launch_what_the_full_path_launches(monkeypatch, table
     (dict(window=(3, 0)), dict(window=(3, False)), ValueError),
     (dict(sink_size=0), dict(sink_size=False), ValueError),
     (dict(num_splits=2), dict(num_splits=2.0), ValueError),
+    (dict(num_splits=1), dict(num_splits=True), ValueError),  # (True == 1: the key alone would match)
     (dict(mask_align="top_left"), dict(mask_align="top-left"), ValueError),
     (dict(), dict(max_seqlen_q=1), ValueError),
     (dict(), dict(cache_seqlens=torch.zeros(_DECODE_B, dtype=torch.int64)), TypeError),

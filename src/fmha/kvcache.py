@@ -365,7 +365,7 @@ def attention_with_kvcache(
         _check_rotary(rotary_cos, rotary_sin, q.device, head_dim)
         if k is None:
             raise ValueError("rotary_cos/rotary_sin rotate the new k and q: pass k and v")
-    if not isinstance(num_splits, int) or not 0 <= num_splits <= 128:
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= 128:
         raise ValueError(f"num_splits={num_splits!r} must be an int in [0, 128] (0: heuristic)")
     V.check_alibi(alibi_slopes, batch, nhead_q, q.device)
     V.check_sinks(sinks, nhead_q, q.device, q.dtype)
