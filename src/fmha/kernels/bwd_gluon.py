@@ -193,6 +193,21 @@ def _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_
 
 
 @gluon.jit
+def _store_dkdv_tma(dk, dv, dk_desc, dv_desc, k_smem, v_smem, b, hk, n0):
+    """dK and dV (the kernel's output dtype) through K's and V's shared buffers and two TMA
+    stores, which clip the rows past the end: one bulk copy each instead of every thread's
+    4-byte stores (half of their 32-byte sectors partial). The caller guarantees that no
+    product reads K or V any more and that every warp is past its wait for them."""
+    k_smem.store(dk.to(dk_desc.dtype))
+    v_smem.store(dv.to(dv_desc.dtype))
+    fence_async_shared()  # the generic stores before the copy engine's reads
+    gl.thread_barrier()  # every warp's rows are in shared memory
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0, 0], k_smem.reshape(dk_desc.block_type.shape))
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0, 0], v_smem.reshape(dv_desc.block_type.shape))
+    tma.store_wait(0)  # (the buffers must outlive the copies)
+
+
+@gluon.jit
 def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr, dv_ptr,
                     stride_lb, stride_lh, stride_lm,
                     stride_deb, stride_deh, stride_dem,
@@ -605,7 +620,7 @@ def _ws_tile_start(kv_bar, kv_phase, n0, BLOCK_N: gl.constexpr, S_COLS: gl.const
 @gluon.jit
 def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
-                DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
+                DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
@@ -616,8 +631,11 @@ def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.c
     kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())  # dK, dV
     dk, dv = _ws_compute_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL, BLOCK_M,
                               BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)
-    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
-                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+    if DKDV_TMA:  # (K and V: read by no product any more, see _ws_compute_tile)
+        _store_dkdv_tma(dk * scale, dv, dk_ptr, dv_ptr, k_smem, v_smem, b, hk, n0)
+    else:
+        _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                    stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
 
 
 @gluon.jit
@@ -717,7 +735,7 @@ def _stat_half(ptr, smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q,
 @gluon.jit
 def _ws_compute_m128(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
-                     DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
+                     DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr):
     """`_ws_compute` for 128-query stages (BLOCK_M = 128, FlashAttention-3's D=64 tile), worked
     in two 64-query halves so that S^T and dP^T (and P^T, dS^T) of one half only are live:
 
@@ -739,8 +757,11 @@ def _ws_compute_m128(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M:
     kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())  # dK, dV
     dk, dv = _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL, BLOCK_M,
                                    BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)
-    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
-                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+    if DKDV_TMA:
+        _store_dkdv_tma(dk * scale, dv, dk_ptr, dv_ptr, k_smem, v_smem, b, hk, n0)
+    else:
+        _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                    stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
 
 
 @gluon.jit
@@ -815,15 +836,15 @@ def _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, 
 def _ws_compute_partition(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                           STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr,
-                          DQ_TMA: gl.constexpr):
+                          DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr):
     """The compute partition: 128-query stages in two 64-query halves (`_ws_compute_m128`) or
     64-query stages (`_ws_compute`)."""
     if BLOCK_M == 128:
         _ws_compute_m128(args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
-                         DQ_BUFS, DQ_COLS, DQ_TMA)
+                         DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA)
     else:
         _ws_compute(args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
-                    DQ_BUFS, DQ_COLS, DQ_TMA)
+                    DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA)
 
 
 @gluon.jit
@@ -873,7 +894,8 @@ def _ws_compute_persistent(args, kv_empty, lse_strides, out_args, p_smem, CAUSAL
 @gluon.jit
 def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
-                     DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr):
+                     DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr,
+                     DKDV_TMA: gl.constexpr):
     """`_ws_compute` for D=256 (DQ_ALIAS): bwd_dkdv_kernel's 64 keys x 64 queries on 8 warps
     (warpgroup w: S^T/dP^T of queries 32w..32w+31, dK/dV of head-dim columns 128w..128w+127; P^T
     and dS^T reach the other warpgroup's queries through shared memory), dQ in two column
@@ -903,8 +925,11 @@ def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, 
     dk, dv = _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY,
                                    PS_SMEM)
-    _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
-                stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+    if DKDV_TMA:
+        _store_dkdv_tma(dk * scale, dv, dk_ptr, dv_ptr, k_smem, v_smem, b, hk, n0)
+    else:
+        _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                    stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
 
 
 @gluon.jit
@@ -1025,7 +1050,8 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
                        DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr,
                        DQ_ALIAS: gl.constexpr, DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr,
-                       PERSISTENT: gl.constexpr = False, TILE_ORDER: gl.constexpr = 0):
+                       PERSISTENT: gl.constexpr = False, TILE_ORDER: gl.constexpr = 0,
+                       DKDV_TMA: gl.constexpr = False):
     """Arguments as bwd_dkdv_kernel's (dq_acc 16-byte aligned, strides multiples of 4; with
     DQ_TMA its descriptor, blocks of BLOCK_M x HEAD_DIM). DQ_BUFS: dQ hand-over buffers in shared
     memory; DQ_COLS: dQ columns per product.
@@ -1037,7 +1063,10 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     PERSISTENT: a grid of at most one program per SM, each running key tiles
     in turn (`_my_key_tile`, causal order TILE_ORDER), every partition walking the same
     sequence; the ring's and the hand-over's barriers count on across tiles, K and V (single
-    buffers) are refilled once the compute warps arrive on kv_empty (docs/notes/bwd-persistent.md)."""
+    buffers) are refilled once the compute warps arrive on kv_empty (docs/notes/bwd-persistent.md).
+    DKDV_TMA (not PERSISTENT): dk_ptr and dv_ptr are TMA descriptors of dK and dV (blocks of
+    BLOCK_N x HEAD_DIM, K's and V's dtype and layout); the tile's dK and dV leave through K's and
+    V's shared buffers (`_store_dkdv_tma`)."""
     dtype: gl.constexpr = q_desc.dtype
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -1104,14 +1133,14 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     elif DQ_ALIAS:  # D=256: 64 keys x 64 queries, dQ staged in the consumed Q/dO stage
         gl.warp_specialize([
             (_ws_compute_d256, (args, lse_strides, out_args, p_smem, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY, PS_SMEM)),
+                                STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY, PS_SMEM, DKDV_TMA)),
             (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
             (_ws_dq_writer_alias, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, DQ_TMA)),
         ], [1, 2], [WORKER_REGS, WORKER_REGS])
     else:  # 64- or 128-query stages (_ws_compute_partition picks the body)
         gl.warp_specialize([
             (_ws_compute_partition, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                     STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)),
+                                     STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA)),
             (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
             (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA)),
         ], [1, 2], [WORKER_REGS, WORKER_REGS])
@@ -1180,15 +1209,17 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     stats_tma = tma_aligned(lse, delta)
     # dQ pairs 8-byte aligned: the kernel assumes column stride 1; the other strides even.
     dq_v2 = dq_acc.data_ptr() % 8 == 0 and all(s % 2 == 0 for s in dq_acc.stride()[:3])
+    # dK and dV by TMA stores where they have K's and V's dtypes and TMA can address them.
+    dkdv_tma = dk.dtype == k.dtype and dv.dtype == v.dtype and tma_aligned(dk, dv)
     kernel, constexprs, options, reduce_cols = _kernel_spec(
         head_dim, block_m, block_n, num_stages, causal=causal, stats_tma=stats_tma, dq_tma=tma_aligned(dq_acc),
         dq_v2=dq_v2, num_warps=num_warps, warp_specialized=warp_specialized, persistent=persistent,
-        tile_order=tile_order)
+        tile_order=tile_order, dkdv_tma=dkdv_tma)
     dq_tma = constexprs["DQ_TMA"]
     if warp_specialized and not (dq_tma or dq_quads_aligned(dq_acc)):
         raise ValueError("dq_acc: the warp-specialized dK/dV kernel adds dQ in 16-byte quads; "
                          f"got data_ptr % 16 = {dq_acc.data_ptr() % 16}, strides {dq_acc.stride()}")
-    how = (block_m, block_n, stats_tma, dq_tma, reduce_cols)
+    how = (block_m, block_n, stats_tma, dq_tma, reduce_cols, constexprs.get("DKDV_TMA", False))
     # (after the tensors: every argument fixed by the key)
     tail = (*lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
             seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale)
@@ -1207,13 +1238,15 @@ def _plan_tensors(q, k, v, do, lse, delta, dk, dv, dq_acc) -> tuple:
     return q, k, v, do, lse, delta, dq_acc, dk, dv
 
 
-def _tensor_args(q, k, v, do, lse, delta, dk, dv, dq_acc, block_m, block_n, stats_tma, dq_tma, reduce_cols) -> tuple:
+def _tensor_args(q, k, v, do, lse, delta, dk, dv, dq_acc, block_m, block_n, stats_tma, dq_tma, reduce_cols,
+                 dkdv_tma) -> tuple:
     """The dK/dV kernels' leading arguments, those of the call's tensors (TMA descriptors where
     the launch uses TMA; a plan takes each descriptor's tensor in its place, `launch_cache.run_plan`)."""
     return (descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m),
             _stats_descriptor(lse, block_m) if stats_tma else lse,
             _stats_descriptor(delta, block_m) if stats_tma else delta,
-            descriptor(dq_acc, block_m, reduce_cols) if dq_tma else dq_acc, dk, dv)  # (rows past Sq: clipped)
+            descriptor(dq_acc, block_m, reduce_cols) if dq_tma else dq_acc,  # (rows past Sq: clipped)
+            descriptor(dk, block_n) if dkdv_tma else dk, descriptor(dv, block_n) if dkdv_tma else dv)
 
 
 _PLANS = launch_cache.plan_table()
@@ -1255,7 +1288,7 @@ def preferred_tile_order(head_dim: int) -> int:
 
 
 def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, dq_tma, dq_v2, num_warps,
-                 warp_specialized, persistent=False, tile_order=None):
+                 warp_specialized, persistent=False, tile_order=None, dkdv_tma=False):
     """(kernel, constexprs, launch options, dQ columns per reduce-add) of one launch, the
     kernel shape from SHAPES. dq_tma: whether TMA can address dq_acc (it is used where the
     shape says so). The warp-specialized launch's num_warps is the compute partition's 8;
@@ -1279,7 +1312,8 @@ def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, d
                           DQ_ALIAS=alias, DQ_EARLY=alias and bool(shape.get("dq_early")),
                           PS_SMEM=alias and bool(shape.get("ps_smem")), PERSISTENT=persistent,
                           TILE_ORDER=(preferred_tile_order(head_dim) if tile_order is None else tile_order)
-                          if persistent and causal else 0)
+                          if persistent and causal else 0,
+                          DKDV_TMA=dkdv_tma and not persistent and bool(shape.get("dkdv_tma", 1)))
         return (bwd_dkdv_ws_kernel, constexprs, {"num_warps": 8, "maxnreg": 168},
                 shape["dq_cols"] if alias else head_dim)
     dq_cols = shape.get("dq_cols", dq_columns(head_dim))
@@ -1302,7 +1336,8 @@ def _stats_descriptor(t, block_m: int):
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
                  causal: bool, stats_tma: bool = True, dq_v2: bool = True, num_warps: int = 8,
                  warp_specialized: bool = False, dq_tma: bool | None = None,
-                 persistent: bool = False, tile_order: int | None = None) -> tuple[dict, dict, dict]:
+                 persistent: bool = False, tile_order: int | None = None,
+                 dkdv_tma: bool = True) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `bwd_dkdv_kernel` (`bwd_dkdv_ws_kernel` when
     warp_specialized) as `launch_dkdv` calls it (with TMA-aligned LSE/delta and dq_acc unless
     told otherwise; dq_tma None: as SHAPES says; persistent: launch_dkdv(persistent=True), whose
@@ -1310,8 +1345,9 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
     kernel, constexprs, options, reduce_cols = _kernel_spec(
         head_dim, block_m, block_n, num_stages, causal=causal, stats_tma=stats_tma,
         dq_tma=True if dq_tma is None else dq_tma, dq_v2=dq_v2, num_warps=num_warps,
-        warp_specialized=warp_specialized, persistent=persistent, tile_order=tile_order)
+        warp_specialized=warp_specialized, persistent=persistent, tile_order=tile_order, dkdv_tma=dkdv_tma)
     dq_type = descriptor_type("fp32", block_m, reduce_cols) if constexprs["DQ_TMA"] else "*fp32"
+    dkdv_type = descriptor_type(dtype, block_n, head_dim) if constexprs.get("DKDV_TMA") else f"*{dtype}"
 
     def desc(rows):
         return descriptor_type(dtype, rows, head_dim)
@@ -1319,7 +1355,7 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
     stats = f"tensordesc<fp32[1,1,{block_m}],{_stats_layout()!r}>" if stats_tma else "*fp32"
     types = {"q_desc": desc(block_m), "k_desc": desc(block_n), "v_desc": desc(block_n),
              "do_desc": desc(block_m), "lse": stats, "delta": stats, "dq_acc": dq_type,
-             "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}", "qk_scale": "fp32", "scale": "fp32"}
+             "dk_ptr": dkdv_type, "dv_ptr": dkdv_type, "qk_scale": "fp32", "scale": "fp32"}
     # In the kernel's argument order; the other arguments are strides and sizes (i32).
     signature = {name: types.get(name, "i32") for name in kernel.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
