@@ -833,3 +833,40 @@ def test_decode_call_plans_follow_the_dispatcher(monkeypatch):
         assert len(full_path) == 2 and len(runs) == 1  # the new policy's one split
         fmha.set_dispatcher(dispatcher)
         assert not api_kvcache._DECODE_CALL_PLANS
+
+
+@pytest.mark.parametrize("case, tma", [("aligned", True), ("fp32", False), ("persistent", False), ("shape_off", False),
+                                       ("bshd", True), ("misaligned", False)])
+def test_dkdv_leave_by_tma_stores_where_they_can(monkeypatch, case, tma):
+    """The one-tile warp-specialized dK/dV launch passes dK and dV as TMA descriptors (block_n
+    rows, K's layout) with DKDV_TMA where they have K's and V's dtype and TMA can address them,
+    and as pointers otherwise (fp32 dK/dV, an odd base address, the persistent kernel, or
+    SHAPES' dkdv_tma 0)."""
+    from fmha.kernels import bwd_gluon
+
+    seen = _recorded_launches(monkeypatch)
+    b, h, s, d = 2, 4, 256, 128
+    q, k, v, do = (torch.randn(b, h, s, d).to(torch.bfloat16) for _ in range(4))
+    lse, delta = torch.randn(b, h, s), torch.randn(b, h, s)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    if case == "fp32":
+        dk, dv = dk.float(), dv.float()
+    elif case == "bshd":
+        dk, dv = (torch.empty(b, s, h, d, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    elif case == "misaligned":
+        dk = torch.empty(b * h * s * d + 1, dtype=torch.bfloat16)[1:].view(b, h, s, d)
+    elif case == "shape_off":
+        shapes = {p: {dim: dict(sh) for dim, sh in by.items()} for p, by in bwd_gluon.SHAPES.items()}
+        shapes["gluon_ws"][128]["dkdv_tma"] = 0
+        monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
+    monkeypatch.setattr(bwd_gluon, "_sm_count", lambda device: 132)
+    bwd_gluon.launch_dkdv(q, k, v, do, lse, delta, dk, dv, torch.zeros(b, h, s, d), causal=True,
+                          align_bottom_right=False, scale=0.1, block_m=64, block_n=128, num_stages=3,
+                          warp_specialized=True, persistent=case == "persistent")
+    kernel, _, args, kwargs = seen[-1]
+    assert kernel is bwd_gluon.bwd_dkdv_ws_kernel and kwargs["DKDV_TMA"] is tma
+    for arg, tensor in ((args[7], dk), (args[8], dv)):
+        if tma:
+            assert arg.base is tensor and arg.block_shape == [1, 1, 128, d] and arg.layout == args[1].layout
+        else:
+            assert arg is tensor

@@ -1159,6 +1159,11 @@ def dq_columns(head_dim: int) -> int:
 # hand-over buffer: `_ws_compute_d256`, docs/notes/bwd-d256-ws.md): dQ in two halves of 128
 # columns staged in the consumed Q/dO stage; dq_early: the second half's product issued before
 # the first half's store (not measured yet).
+# dkdv_tma (default 1; one-tile warp-specialized kernels): dK and dV leave through K's and V's
+# shared buffers by TMA stores where dK/dV are TMA-addressable in K's/V's dtype (`DKDV_TMA`);
+# 0: per-thread stores. Attempt 54 (H200, 2026-11-30, `docs/runs/2026-11-30-session12/
+# bench_bwd_dkdv_tma.log`): +5-7% at D=128 (S 1024/4096, full and causal), +9% at D=256 S=1024
+# causal; the stores were half partial sectors and 19% of the compute warps' stall samples.
 # Persistent (PERSISTENT) causal key-tile order where SHAPES gives no tile_order (see `_my_key_tile`):
 # pairs (a head's longest with its shortest key tile), the forward's best at most shapes. At D=64
 # (the one head dim registered persistent) heads outermost measured best: dK/dV GPU time 1.10x
