@@ -425,11 +425,7 @@ def launch_dot_do_o(o, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=Non
         IS_VARLEN=varlen, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None,
         BLOCK_M=block_m, BLOCK_DV=padded_dim(head_dim_v), num_warps=num_warps, num_stages=num_stages,
     )
-    if key is None or plan is None:
-        return None
-    planned = launch_cache.Planned(plan, dot_do_o_kernel, tail, _dot_plan_tensors)
-    launch_cache.keep_plan(_DOT_DO_O_PLANS, key, planned)
-    return planned
+    return launch_cache.keep(_DOT_DO_O_PLANS, key, plan, dot_do_o_kernel, tail, _dot_plan_tensors)
 
 
 def _dot_plan_tensors(o, do, lse, delta) -> tuple:
@@ -549,8 +545,4 @@ def launch_convert_dq(dq_acc, dq, *, scale: float, block_m: int, num_warps: int,
     tail = (n_rows, head_dim, scale, head_dim, head_dim)
     plan = launch_cache.make_plan(convert_dq_kernel, grid, dq_acc, dq, *tail,
                                   BLOCK_R=block_m, BLOCK_D=padded_dim(head_dim), num_warps=num_warps)
-    if key is None or plan is None:
-        return None
-    planned = launch_cache.Planned(plan, convert_dq_kernel, tail)
-    launch_cache.keep_plan(_CONVERT_DQ_PLANS, key, planned)
-    return planned
+    return launch_cache.keep(_CONVERT_DQ_PLANS, key, plan, convert_dq_kernel, tail)

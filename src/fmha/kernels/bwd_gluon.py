@@ -1230,12 +1230,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
             seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale)
     plan = launch_cache.make_plan(kernel, grid, *_tensor_args(q, k, v, do, lse, delta, dk, dv, dq_acc, *how), *tail,
                                   **constexprs, **options)
-    if key is None or plan is None:
-        return None
-    planned = launch_cache.Planned(plan, bwd_dkdv_ws_kernel if warp_specialized else bwd_dkdv_kernel, tail,
-                                   _plan_tensors)
-    launch_cache.keep_plan(_PLANS, key, planned)
-    return planned
+    return launch_cache.keep(_PLANS, key, plan, bwd_dkdv_ws_kernel if warp_specialized else bwd_dkdv_kernel, tail,
+                             _plan_tensors)
 
 
 def _plan_tensors(q, k, v, do, lse, delta, dk, dv, dq_acc) -> tuple:

@@ -749,11 +749,8 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         PERSISTENT=persistent, O_BUF=o_buf, TILE_ORDER=tile_order if persistent and causal else 0,
         RESCALE_TAU=tau, num_warps=4, maxnreg=maxnreg,
     )
-    if key is None or plan is None:
-        return None
-    planned = launch_cache.Planned(plan, fwd_ws_kernel, tail, _plan_tensors_o_tma if o_tma else _plan_tensors_no_o_tma)
-    launch_cache.keep_plan(_PLANS, key, planned)
-    return planned
+    return launch_cache.keep(_PLANS, key, plan, fwd_ws_kernel, tail,
+                             _plan_tensors_o_tma if o_tma else _plan_tensors_no_o_tma)
 
 
 def _tensor_args(q, k, v, o, lse, block_n: int, o_tma: bool, fp8: bool) -> tuple:

@@ -473,11 +473,7 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=padded_dim(head_dim_qk), BLOCK_DV=padded_dim(head_dim_v),
         num_warps=num_warps, num_stages=num_stages, **_fp8_args(k_cache, k_descale, v_descale),
     )
-    if key is None or plan is None:
-        return None
-    planned = launch_cache.Planned(plan, splitkv_kernel, tail, _plain_attention_tensors)
-    launch_cache.keep_plan(_ATTENTION_PLANS, key, planned)
-    return planned
+    return launch_cache.keep(_ATTENTION_PLANS, key, plan, splitkv_kernel, tail, _plain_attention_tensors)
 
 
 def _attention_tensors(q, k_cache, v_cache, o, lse, lengths, alibi_slopes, sinks, block_table, kv_indptr,
@@ -546,11 +542,7 @@ def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sink
         o_parts, lse_parts, o, lse, sinks if sinks is not None else lse, *tail,
         HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_D=padded_dim(head_dim), num_warps=num_warps,
     )
-    if key is None or plan is None:
-        return None
-    planned = launch_cache.Planned(plan, combine_kernel, tail, _combine_tensors_without_sinks)
-    launch_cache.keep_plan(_COMBINE_PLANS, key, planned)
-    return planned
+    return launch_cache.keep(_COMBINE_PLANS, key, plan, combine_kernel, tail, _combine_tensors_without_sinks)
 
 
 def _combine_tensors_without_sinks(o_parts, lse_parts, o, lse) -> tuple:

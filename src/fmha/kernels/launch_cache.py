@@ -252,6 +252,16 @@ class Planned:
         run_plan(self.plan, *(self.arrange(*tensors) if self.arrange is not None else tensors), *self.tail)
 
 
+def keep(table: dict, key, plan: Plan | None, kernel, tail: tuple, arrange=None) -> Planned | None:
+    """A launcher's last step: `plan` as a Planned (see there) kept under `key` in its `table`,
+    and returned; None where the launcher keeps no plan (no key, or `make_plan` made none)."""
+    if key is None or plan is None:
+        return None
+    planned = Planned(plan, kernel, tail, arrange)
+    keep_plan(table, key, planned)
+    return planned
+
+
 def runnable(*planned: Planned | None) -> bool:
     """Whether each of these plans may launch now: given, plans on for its kernel
     (`plans_enabled`), the current device the one it was made on."""
