@@ -208,6 +208,22 @@ def _store_dkdv_tma(dk, dv, dk_desc, dv_desc, k_smem, v_smem, b, hk, n0):
 
 
 @gluon.jit
+def _ws_store_dkdv(dk, dv, out_args, k_smem, v_smem, b, hk, n0, seqlen_k, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, DKDV_TMA: gl.constexpr):
+    """A one-tile compute body's last step: the tile's dK (scaled) and dV to memory, with
+    DKDV_TMA through K's and V's shared buffers (the body's tile function returned: no product
+    reads them any more), else by each thread's stores."""
+    (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+     qk_scale, scale) = out_args
+    if DKDV_TMA:
+        _store_dkdv_tma(dk * scale, dv, dk_ptr, dv_ptr, k_smem, v_smem, b, hk, n0)
+    else:
+        _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                    stride_dvb, stride_dvh, stride_dvn, acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps()), BLOCK_N,
+                    HEAD_DIM)
+
+
+@gluon.jit
 def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr, dv_ptr,
                     stride_lb, stride_lh, stride_lm,
                     stride_deb, stride_deh, stride_dem,
@@ -628,14 +644,9 @@ def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.c
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
     b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
-    kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())  # dK, dV
     dk, dv = _ws_compute_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL, BLOCK_M,
                               BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)
-    if DKDV_TMA:  # (K and V: read by no product any more, see _ws_compute_tile)
-        _store_dkdv_tma(dk * scale, dv, dk_ptr, dv_ptr, k_smem, v_smem, b, hk, n0)
-    else:
-        _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
-                    stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+    _ws_store_dkdv(dk, dv, out_args, k_smem, v_smem, b, hk, n0, seqlen_k, BLOCK_N, HEAD_DIM, DKDV_TMA)
 
 
 @gluon.jit
@@ -754,14 +765,9 @@ def _ws_compute_m128(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M:
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
     b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
-    kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())  # dK, dV
     dk, dv = _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL, BLOCK_M,
                                    BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)
-    if DKDV_TMA:
-        _store_dkdv_tma(dk * scale, dv, dk_ptr, dv_ptr, k_smem, v_smem, b, hk, n0)
-    else:
-        _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
-                    stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+    _ws_store_dkdv(dk, dv, out_args, k_smem, v_smem, b, hk, n0, seqlen_k, BLOCK_N, HEAD_DIM, DKDV_TMA)
 
 
 @gluon.jit
@@ -921,15 +927,10 @@ def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, 
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
     b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
-    kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())  # dK, dV
     dk, dv = _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY,
                                    PS_SMEM)
-    if DKDV_TMA:
-        _store_dkdv_tma(dk * scale, dv, dk_ptr, dv_ptr, k_smem, v_smem, b, hk, n0)
-    else:
-        _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
-                    stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+    _ws_store_dkdv(dk, dv, out_args, k_smem, v_smem, b, hk, n0, seqlen_k, BLOCK_N, HEAD_DIM, DKDV_TMA)
 
 
 @gluon.jit
