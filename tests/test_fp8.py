@@ -8,6 +8,9 @@ the element-wise fp8 error bound derived in tests/fp8_testing.py.
 from __future__ import annotations
 
 import math
+import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -296,6 +299,39 @@ def test_fp8_kvcache_matches_reference_on_the_dequantized_cache(paged, per_head,
         sinks=kw["sinks"].double().numpy())
     assert float(np.abs(o.double().numpy() - ro).max()) < 3e-3  # fp16 P and output, as the fp16 cache tests
     assert float(np.abs(lse.double().numpy() - rl).max()) < 1e-4
+
+
+@pytest.mark.parametrize("q_dtype, kv_dtype, cvt", [("bf16", "fp8e4nv", "e4m3x2"), ("fp16", "fp8e5", "e5m2x2")])
+def test_fp8_cache_is_converted_once_on_the_load_layout(q_dtype, kv_dtype, cvt):
+    """Compiled for sm_90 at the registry's decode tile, a float8 cache's K/V tile crosses shared
+    memory in 16-byte pieces and is converted by kvcache.FP8_ASM's PTX; Triton's own conversion
+    (the control) moves into the dots' operand loads and reads the tile byte by byte (attempt 56)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from compile_check_kvcache import compiled_with_runtime_divisibility
+
+    from fmha.kernels import kvcache
+
+    pointers = {"Q": q_dtype, "K": kv_dtype, "V": kv_dtype, "O": q_dtype, "LSE": "fp32", "Alibi": "fp32",
+                "Sinks": "fp32", "KDescale": "fp32", "VDescale": "fp32",
+                **dict.fromkeys(("BlockTable", "KvIndptr", "CacheBatchIdx", "SeqlensK", "CuSeqlensQ"), "i32")}
+    flags = dict.fromkeys(("HAS_CACHE_BATCH_IDX", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "HAS_SINK_TOKENS",
+                           "HAS_SOFTCAP", "HAS_ALIBI", "HAS_SINKS", "SPLIT", "TABLE_INDPTR"), False)
+    ptx = {}
+    for asm in (True, False):
+        constexprs = dict(flags, PAGED=True, PAGE_PER_TILE=True, PAGE_SHIFT=-1, OFFSETS_32=True, KV_SAME_STRIDES=True,
+                          ALIGN_BOTTOM_RIGHT=True, DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=64, BLOCK_DQK=128,
+                          BLOCK_DV=128, KV_FP8=True, FP8_ASM=asm)
+        ptx[asm] = compiled_with_runtime_divisibility(kvcache.splitkv_kernel, pointers, {"scale", "softcap"},
+                                                      constexprs, 4, 3).asm["ptx"]
+    copies = {asm: re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+)", p)
+              for asm, p in ptx.items()}
+    assert copies[True] and set(copies[True]) == {"0x10"}, copies[True]  # pipelined, 16 bytes a copy
+    assert "ld.shared.b8" not in ptx[True] and "ld.shared.u8" not in ptx[True]
+    assert f"cvt.rn.f16x2.{cvt}" in ptx[True]
+    assert ptx[True].count("cvt.rn.bf16.f16") == 0
+    # the control: Triton's route reads bytes from shared memory and copies 8 bytes at a time
+    assert "ld.shared.b8" in ptx[False] and "0x8" in copies[False]
+
 
 
 @pytest.mark.parametrize("rotary", [False, True])

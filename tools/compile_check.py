@@ -69,7 +69,8 @@ def check_fp8(flags: list[str]) -> int:
 
 
 def check_fp8_kvcache() -> int:
-    """The split-KV kernel over float8 caches (dequantized on load) with 16-bit queries."""
+    """The split-KV kernel over float8 caches (dequantized on load, by inline PTX: FP8_ASM as on
+    the GPU) with 16-bit queries."""
     failures = 0
     for qdt, kvdt, on in itertools.product(["bf16", "fp16"], ["fp8e4nv", "fp8e5"], [False, True]):
         ptr = {"Q": qdt, "K": kvdt, "V": kvdt, "O": "fp32" if on else qdt, "LSE": "fp32", "Alibi": "fp32",
@@ -79,7 +80,7 @@ def check_fp8_kvcache() -> int:
                           HAS_CACHE_BATCH_IDX=False, ALIGN_BOTTOM_RIGHT=True, HAS_LEFT=on, HAS_RIGHT=True,
                           HAS_SINK_TOKENS=on, HAS_SOFTCAP=on, HAS_ALIBI=on, HAS_SINKS=on, SPLIT=on,
                           DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=64, BLOCK_DQK=128, BLOCK_DV=128, KV_FP8=True,
-                          PAGE_SHIFT=4 if on else -1, OFFSETS_32=on, KV_SAME_STRIDES=on)
+                          FP8_ASM=True, PAGE_SHIFT=4 if on else -1, OFFSETS_32=on, KV_SAME_STRIDES=on)
         try:
             shared, _ = compile_one(kvcache.splitkv_kernel, ptr, {"scale", "softcap"}, constexprs, 4, 3)
             print(f"ok   splitkv_kernel   q {qdt} cache {kvdt} features={on} smem={shared}")

@@ -35,13 +35,21 @@ MODES = {"contiguous": (False, False, False, True), "paged rows": (True, False, 
          "indptr rows": (True, True, False, False)}
 
 
-def compile_with_runtime_divisibility(kernel, pointers, floats, constexprs, warps, stages):
+def compiled_with_runtime_divisibility(kernel, pointers, floats, constexprs, warps, stages):
+    """The kernel compiled for sm_90 with the arguments a launch sees as multiples of 16 marked so
+    (pointers, page size, head dims, the tensors' strides; not ALiBi's or the fp8 descales')."""
     sig = signature(kernel, pointers, floats, constexprs)
+    descale_strides = ("stride_kdb", "stride_kdh", "stride_vdb", "stride_vdh")
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
              if name in pointers or name in ("page_size", "head_dim_qk", "head_dim_v", "head_dim")
-             or (name.startswith("stride_") and "alibi" not in name)}
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=TARGET,
-                              options={"num_warps": warps, "num_stages": stages})
+             or (name.startswith("stride_") and "alibi" not in name and name not in descale_strides)}
+    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=TARGET,
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def compile_with_runtime_divisibility(kernel, pointers, floats, constexprs, warps, stages):
+    """(shared memory, cp.async instructions in the PTX) of `compiled_with_runtime_divisibility`."""
+    compiled = compiled_with_runtime_divisibility(kernel, pointers, floats, constexprs, warps, stages)
     ptx = compiled.asm["ptx"]
     return compiled.metadata.shared, ptx.count("cp.async.cg") + ptx.count("cp.async.ca")
 

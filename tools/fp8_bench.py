@@ -9,10 +9,12 @@ registry's fp8 rows can be tuned from one run. Also checks the fp8 output agains
 and times decode (B=32, Hq=32, Hk=8, S=8192) over a bf16 cache and over an fp8 cache.
 
     PYTHONPATH=src python tools/fp8_bench.py OUT.json [--rounds 3] [--sweep] [--persistent] [--quick]
+                                                      [--decode-only]
 
 --persistent: also the registry's fp8 Gluon tile as the persistent kernel (one program per SM,
 tiles in pairs under causal), which the registry does not choose for fp8; --quick: no Triton
-fp8 contender and no decode.
+fp8 contender and no decode; --decode-only: the decode rows alone. The decode rows include the
+fp8 cache converted by Triton's own `.to` ("(Triton cvt)", kvcache.FP8_ASM off: attempt 56's control).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import triton
 
 import fmha
 from fmha.configs import Algorithm, Family, KernelConfig, Pipeline, Signature
+from fmha.kernels import kvcache
 from fmha.problem import DType
 from fmha.registry import _gluon_config
 
@@ -64,12 +67,13 @@ def main() -> int:
     out = args[0] if args and not args[0].startswith("--") else "fp8_bench.json"
     rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 3
     sweep, persistent, quick = "--sweep" in args, "--persistent" in args, "--quick" in args
+    decode_only = "--decode-only" in args
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(env)
     B, H, S = 4, 16, 8192
     results = []
-    for D in (128, 256):
+    for D in () if decode_only else (128, 256):
         gen = torch.Generator(device="cuda").manual_seed(D)
         q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
         (q8, qd), (k8, kd), (v8, vd) = (fmha.quantize_fp8(t, torch.float8_e4m3fn, "head") for t in (q, k, v))
@@ -139,21 +143,33 @@ def decode(rounds: int) -> list[dict]:
     kd, vd = (c.float().abs().amax(dim=(1, 3)) / 448 for c in (kc, vc))
     k8, v8 = ((c.float() / d[:, None, :, None]).to(torch.float8_e4m3fn) for c, d in ((kc, kd), (vc, vd)))
     seqlens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+
+    def fp8_decode():
+        return fmha.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
+
+    def fp8_decode_triton_cvt():
+        kvcache.FP8_ASM = False
+        try:
+            return fp8_decode()
+        finally:
+            kvcache.FP8_ASM = True
+
     runs = {"decode bf16 cache": (lambda: fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens), 2),
-            "decode fp8 cache": (lambda: fmha.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens,
-                                                                     k_descale=kd, v_descale=vd), 1)}
+            "decode fp8 cache": (fp8_decode, 1), "decode fp8 cache (Triton cvt)": (fp8_decode_triton_cvt, 1)}
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
         for name, (fn, _) in runs.items():
             times.setdefault(name, []).append(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
     bf16_ms = sorted(times["decode bf16 cache"])[rounds // 2]
     diff = float((runs["decode fp8 cache"][0]().float() - runs["decode bf16 cache"][0]().float()).abs().max())
+    print("fp8 cache: inline-PTX and Triton conversions give equal outputs:",
+          torch.equal(fp8_decode(), fp8_decode_triton_cvt()))
     for name, (_, elem) in runs.items():
         ms = sorted(times[name])[rounds // 2]
         tbs = 2 * B * S * Hk * D * elem / ms / 1e9
         rows.append(dict(B=B, Hq=Hq, Hk=Hk, S=S, D=D, contender=name, ms=ms, kv_tb_per_s=tbs,
                          speedup_vs_bf16=bf16_ms / ms, times_ms=times[name], max_abs_diff_fp8_vs_bf16=diff))
-        print(f"{name:<20} {ms * 1e3:8.1f} us {tbs:6.2f} TB/s of K+V  x{bf16_ms / ms:.2f} vs bf16 cache")
+        print(f"{name:<30} {ms * 1e3:8.1f} us {tbs:6.2f} TB/s of K+V  x{bf16_ms / ms:.2f} vs bf16 cache")
     return rows
 
 

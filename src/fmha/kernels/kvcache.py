@@ -86,6 +86,58 @@ def _kv_rows(slot, tok, stride_row, stride_tok, hk, stride_h, OFFSETS_32: tl.con
     return rows
 
 
+# float8 caches (KV_FP8) in compiled kernels: each loaded K/V element converted by inline PTX
+# (`_dequantized`), once, on the load's layout. Triton's own `.to(bf16)` is moved into the dots'
+# operand loads, so the fp8 tile is read from shared memory in the operand layout (V byte by byte:
+# its keys are not the contiguous dimension) and each element converted twice (fp8 -> f16 -> bf16)
+# on the slow conversion pipe (attempt 56, docs/performance.md). False: Triton's conversion.
+FP8_ASM = True
+
+# fp8 pairs -> f16 pairs (the hardware's cvt), 4 elements an instance: $2 holds 4 bytes, $0 and
+# $1 two halves each; for bf16 on through fp32 (exact: every fp8 value is an f16 and a bf16 value).
+_TO_F16 = """{{
+.reg .b16 a0, a1;
+mov.b32 {{a0, a1}}, $2;
+cvt.rn.f16x2.{fmt} $0, a0;
+cvt.rn.f16x2.{fmt} $1, a1;
+}}"""
+_TO_BF16 = """{{
+.reg .b16 a0, a1;
+.reg .b32 h0, h1;
+.reg .f16 f0, f1, f2, f3;
+.reg .f32 g0, g1, g2, g3;
+mov.b32 {{a0, a1}}, $2;
+cvt.rn.f16x2.{fmt} h0, a0;
+cvt.rn.f16x2.{fmt} h1, a1;
+mov.b32 {{f0, f1}}, h0;
+mov.b32 {{f2, f3}}, h1;
+cvt.f32.f16 g0, f0;
+cvt.f32.f16 g1, f1;
+cvt.f32.f16 g2, f2;
+cvt.f32.f16 g3, f3;
+cvt.rn.bf16x2.f32 $0, g1, g0;
+cvt.rn.bf16x2.f32 $1, g3, g2;
+}}"""
+
+
+@triton.constexpr_function
+def _fp8_ptx(fp8, dtype):
+    """The conversion's PTX from float8 `fp8` (e4m3 or e5m2) to `dtype` (fp16 or bf16)."""
+    fmt = "e4m3x2" if fp8 == tl.float8e4nv else "e5m2x2"
+    return (_TO_F16 if dtype == tl.float16 else _TO_BF16).format(fmt=fmt)
+
+
+@triton.jit
+def _dequantized(x, dtype: tl.constexpr, FP8_ASM: tl.constexpr):
+    """A float8 tile in `dtype` (exact). FP8_ASM (fp16/bf16 `dtype`): by inline PTX, kept where
+    the tile was loaded (impure, so no pass moves it into a dot's operand load); else Triton's `.to`."""
+    if FP8_ASM and dtype.primitive_bitwidth == 16:
+        return tl.inline_asm_elementwise(_fp8_ptx(x.dtype, dtype), "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
+                                         dtype=dtype.value, is_pure=False, pack=4)  # (dtype: a constexpr)
+    else:
+        return x.to(dtype)
+
+
 @triton.jit(do_not_specialize=["window_left", "window_right", "sink_size"])
 def splitkv_kernel(
     Q, K, V, O, LSE, Alibi, Sinks, BlockTable, KvIndptr, CacheBatchIdx, SeqlensK, CuSeqlensQ,
@@ -105,10 +157,11 @@ def splitkv_kernel(
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     KDescale=None, VDescale=None, stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0,
-    KV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
 ):
     # KV_FP8: float8 caches, dequantized on load to q's dtype (exact); the k descale of
-    # (b, hk) folds into the logit scale, the v descale multiplies the output.
+    # (b, hk) folds into the logit scale, the v descale multiplies the output. FP8_ASM: the
+    # conversion by inline PTX (`_dequantized`; compiled kernels only).
     # GQA packing: the query rows of all `group_size` heads that share one KV head form
     # the tile's M dimension (row r = query i * group_size + head g), so each KV head's
     # keys and values are read once per query block, not once per query head.
@@ -202,7 +255,7 @@ def splitkv_kernel(
             k = tl.load(K + k_rows[:, None] + offs_dq[None, :],
                         mask=col_ok[:, None] & (offs_dq[None, :] < head_dim_qk), other=0.0)
             if KV_FP8:
-                k = k.to(Q.dtype.element_ty)
+                k = _dequantized(k, Q.dtype.element_ty, FP8_ASM)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             if HAS_SOFTCAP or HAS_ALIBI:
                 s, _ = modify_logits(s, rows, cols, diag_offset, Q, row_ok[:, None], alibi_slope, softcap,
@@ -221,7 +274,7 @@ def splitkv_kernel(
             v = tl.load(V + v_rows[:, None] + offs_dv[None, :],
                         mask=col_ok[:, None] & (offs_dv[None, :] < head_dim_v), other=0.0)
             if KV_FP8:
-                v = v.to(Q.dtype.element_ty)
+                v = _dequantized(v, Q.dtype.element_ty, FP8_ASM)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
     if HAS_SINKS and not SPLIT:  # with splits the combine adds the sink once
@@ -500,7 +553,7 @@ def _fp8_args(k_cache, k_descale, v_descale) -> dict:
     so that launch_cache keeps the launch)."""
     if k_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return dict(KDescale=None, VDescale=None, stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0,
-                    KV_FP8=False)
+                    KV_FP8=False, FP8_ASM=False)
     one = torch.ones((1, 1), dtype=torch.float32, device=k_cache.device)
     kd = k_descale if k_descale is not None else one
     vd = v_descale if v_descale is not None else one
@@ -509,8 +562,9 @@ def _fp8_args(k_cache, k_descale, v_descale) -> dict:
         return tuple(st if n > 1 else 0 for st, n in zip(d.stride(), d.shape, strict=True))
 
     (kdb, kdh), (vdb, vdh) = strides(kd), strides(vd)
+    # (the interpreter runs no PTX: CPU tensors take Triton's conversion)
     return dict(KDescale=kd, VDescale=vd, stride_kdb=kdb, stride_kdh=kdh, stride_vdb=vdb, stride_vdh=vdh,
-                KV_FP8=True)
+                KV_FP8=True, FP8_ASM=FP8_ASM and k_cache.is_cuda)
 
 
 def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sinks=None,
