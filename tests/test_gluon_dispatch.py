@@ -190,6 +190,12 @@ def test_persistent_backward_compile_spec():
             assert spec(causal=causal)[1]["PERSISTENT"] is False and spec(causal=causal)[1]["TILE_ORDER"] == 0
             signature, constexprs, options = spec(causal=causal, persistent=True)
             assert constexprs["PERSISTENT"] is True
+            # dK/dV by TMA stores: staging buffers of its own fit next to D=64's tile only
+            assert constexprs["DKDV_TMA"] is (head_dim == 64) and spec(causal=causal)[1]["DKDV_TMA"] is True
+            pairs = spec(causal=causal, persistent=True, tile_order=2)[1]
+            assert pairs["DKDV_TMA"] is (head_dim == 64 and not causal)  # (TILE_ORDER 2 only under causal)
+            assert (bwd_gluon.ws_shared_bytes(head_dim, block_m, block_n, stages, bwd_gluon.SHAPES["gluon_ws"][
+                head_dim]["dq_bufs"], True, True) <= bwd_gluon.SMEM_PER_BLOCK) is (head_dim == 64)
             order = bwd_gluon.SHAPES["gluon_ws"][head_dim].get("tile_order", bwd_gluon.DEFAULT_TILE_ORDER)
             assert constexprs["TILE_ORDER"] == (order if causal else 0)
             assert signature["PERSISTENT"] == "constexpr" and options == {"num_warps": 8, "maxnreg": 168}
@@ -271,11 +277,15 @@ def test_gluon_ws_persistent_backward_compiles_for_sm90(tmp_path, monkeypatch, h
     # (D=64 prefers heads outermost: its pairs order, for shapes where heads would not balance, too)
     assert [k.variant for k in kernels] == ["plain", "causal"] + (["causal_pairs"] if head_dim == 64 else [])
     a = config.algorithm
+    # (D=64: dK/dV by TMA stores through staging buffers of its own, attempt 55)
     smem = bwd_gluon.ws_shared_bytes(head_dim, a.block_m, a.block_n, a.num_stages,
-                                     bwd_gluon.SHAPES["gluon_ws"][head_dim]["dq_bufs"], True)
+                                     bwd_gluon.SHAPES["gluon_ws"][head_dim]["dq_bufs"], True, head_dim == 64)
     for kernel in kernels:
         ptx = _ptx(kernel)
         assert kernel.shared <= smem, (kernel.shared, smem)  # (the estimate is exact at m64, 48 bytes over at m128)
+        # the dK/dV stores (not in pairs order: attempt 55 measured it slower)
+        assert ("cp.async.bulk.tensor.4d.global.shared::cta" in ptx) is (head_dim == 64
+                                                                        and kernel.variant != "causal_pairs")
         assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240\b", ptx)
         assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
         assert "red.global" not in ptx and "atom.global" not in ptx

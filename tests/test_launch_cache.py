@@ -836,20 +836,21 @@ def test_decode_call_plans_follow_the_dispatcher(monkeypatch):
 
 
 @pytest.mark.parametrize("case, tma", [("aligned", True), ("fp32", False), ("persistent", False), ("shape_off", False),
-                                       ("bshd", True), ("misaligned", False)])
+                                       ("bshd", True), ("misaligned", False), ("persistent_d64", True),
+                                       ("persistent_d64_fp32", False)])
 def test_dkdv_leave_by_tma_stores_where_they_can(monkeypatch, case, tma):
-    """The one-tile warp-specialized dK/dV launch passes dK and dV as TMA descriptors (block_n
-    rows, K's layout) with DKDV_TMA where they have K's and V's dtype and TMA can address them,
-    and as pointers otherwise (fp32 dK/dV, an odd base address, the persistent kernel, or
-    SHAPES' dkdv_tma 0)."""
+    """The warp-specialized dK/dV launch passes dK and dV as TMA descriptors (block_n rows, K's
+    layout) with DKDV_TMA where they have K's and V's dtype and TMA can address them and, for the
+    persistent kernel, its staging buffers fit (D=64's m128n128 tile), and as pointers otherwise
+    (fp32 dK/dV, an odd base address, the persistent kernel at D=128, or SHAPES' dkdv_tma 0)."""
     from fmha.kernels import bwd_gluon
 
     seen = _recorded_launches(monkeypatch)
-    b, h, s, d = 2, 4, 256, 128
+    b, h, s, d = 2, 4, 256, 64 if "d64" in case else 128
     q, k, v, do = (torch.randn(b, h, s, d).to(torch.bfloat16) for _ in range(4))
     lse, delta = torch.randn(b, h, s), torch.randn(b, h, s)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    if case == "fp32":
+    if case.endswith("fp32"):
         dk, dv = dk.float(), dv.float()
     elif case == "bshd":
         dk, dv = (torch.empty(b, s, h, d, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
@@ -860,11 +861,13 @@ def test_dkdv_leave_by_tma_stores_where_they_can(monkeypatch, case, tma):
         shapes["gluon_ws"][128]["dkdv_tma"] = 0
         monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
     monkeypatch.setattr(bwd_gluon, "_sm_count", lambda device: 132)
+    tile = dict(block_m=128, num_stages=2) if d == 64 else dict(block_m=64, num_stages=3)
     bwd_gluon.launch_dkdv(q, k, v, do, lse, delta, dk, dv, torch.zeros(b, h, s, d), causal=True,
-                          align_bottom_right=False, scale=0.1, block_m=64, block_n=128, num_stages=3,
-                          warp_specialized=True, persistent=case == "persistent")
+                          align_bottom_right=False, scale=0.1, block_n=128, warp_specialized=True,
+                          persistent=case.startswith("persistent"), **tile)
     kernel, _, args, kwargs = seen[-1]
     assert kernel is bwd_gluon.bwd_dkdv_ws_kernel and kwargs["DKDV_TMA"] is tma
+    assert kwargs["PERSISTENT"] is case.startswith("persistent")
     for arg, tensor in ((args[7], dk), (args[8], dv)):
         if tma:
             assert arg.base is tensor and arg.block_shape == [1, 1, 128, d] and arg.layout == args[1].layout

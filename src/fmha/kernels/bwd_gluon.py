@@ -193,18 +193,21 @@ def _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_
 
 
 @gluon.jit
-def _store_dkdv_tma(dk, dv, dk_desc, dv_desc, k_smem, v_smem, b, hk, n0):
-    """dK and dV (the kernel's output dtype) through K's and V's shared buffers and two TMA
-    stores, which clip the rows past the end: one bulk copy each instead of every thread's
-    4-byte stores (half of their 32-byte sectors partial). The caller guarantees that no
-    product reads K or V any more and that every warp is past its wait for them."""
-    k_smem.store(dk.to(dk_desc.dtype))
-    v_smem.store(dv.to(dv_desc.dtype))
+def _store_dkdv_tma(dk, dv, dk_desc, dv_desc, dk_smem, dv_smem, b, hk, n0, WAIT: gl.constexpr = True):
+    """dK and dV (the kernel's output dtype) through shared buffers (the one-tile kernels: K's and
+    V's) and two TMA stores, which clip the rows past the end: one bulk copy each instead of
+    every thread's 4-byte stores (half of their 32-byte sectors partial). The caller guarantees
+    that nothing reads the buffers any more and that every warp is past its wait for them.
+    WAIT: wait for the copies here; else the caller does (`tma.store_wait`, then a barrier)
+    before it writes the buffers again or the kernel ends."""
+    dk_smem.store(dk.to(dk_desc.dtype))
+    dv_smem.store(dv.to(dv_desc.dtype))
     fence_async_shared()  # the generic stores before the copy engine's reads
     gl.thread_barrier()  # every warp's rows are in shared memory
-    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0, 0], k_smem.reshape(dk_desc.block_type.shape))
-    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0, 0], v_smem.reshape(dv_desc.block_type.shape))
-    tma.store_wait(0)  # (the buffers must outlive the copies)
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0, 0], dk_smem.reshape(dk_desc.block_type.shape))
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0, 0], dv_smem.reshape(dv_desc.block_type.shape))
+    if WAIT:
+        tma.store_wait(0)  # (the buffers must outlive the copies)
 
 
 @gluon.jit
@@ -854,16 +857,20 @@ def _ws_compute_partition(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLO
 
 
 @gluon.jit
-def _ws_compute_persistent(args, kv_empty, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr,
+def _ws_compute_persistent(args, kv_empty, lse_strides, out_args, p_smem, dkdv_smem, CAUSAL: gl.constexpr,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                            STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
                            DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_ALIAS: gl.constexpr,
-                           DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr, TILE_ORDER: gl.constexpr):
+                           DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr, TILE_ORDER: gl.constexpr,
+                           DKDV_TMA: gl.constexpr):
     """`_ws_compute_partition` of the persistent kernel: this program's key tiles in turn (see
     `_my_key_tile`), dK and dV zeroed per tile; the ring and the dQ hand-over count on across
     tiles (`it`), K and V of tile k arrive in phase k & 1 of kv_bar. After the tile's last
     iteration (its closing CTA barrier: every warp's products are done, K and V no longer read)
-    kv_empty lets the loader bring the next tile's K and V while dK and dV go out from registers."""
+    kv_empty lets the loader bring the next tile's K and V while dK and dV go out: from registers,
+    or with DKDV_TMA through `dkdv_smem` (two BLOCK_N x HEAD_DIM buffers of their own: K's and V's
+    are being refilled) by TMA stores that drain under the next tile and are waited for before
+    the buffers are written again."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
@@ -890,11 +897,19 @@ def _ws_compute_persistent(args, kv_empty, lse_strides, out_args, p_smem, CAUSAL
         # barrier too) and past its kv_bar wait: without this barrier, after a tile without
         # queries (no iteration, no barrier) a warp still before its kv_bar wait could find
         # kv_bar two phases on (the next tile's K/V already in) and wait for ever.
+        if DKDV_TMA:  # the previous tile's copies have read the staging buffers (then the barrier)
+            tma.store_wait(0)
         gl.thread_barrier()
         mbarrier.arrive(kv_empty, count=1)
-        _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
-                    stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
+        if DKDV_TMA:
+            _store_dkdv_tma(dk * scale, dv, dk_ptr, dv_ptr, dkdv_smem.index(0), dkdv_smem.index(1), b, hk, n0,
+                            WAIT=False)
+        else:
+            _store_dkdv(dk * scale, dv, dk_ptr, dv_ptr, b, hk, n0, seqlen_k, stride_dkb, stride_dkh, stride_dkn,
+                        stride_dvb, stride_dvh, stride_dvn, kv_layout, BLOCK_N, HEAD_DIM)
         it += group * n_m
+    if DKDV_TMA:
+        tma.store_wait(0)  # the last tile's copies, before the kernel's shared memory goes
 
 
 @gluon.jit
@@ -1065,9 +1080,9 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     in turn (`_my_key_tile`, causal order TILE_ORDER), every partition walking the same
     sequence; the ring's and the hand-over's barriers count on across tiles, K and V (single
     buffers) are refilled once the compute warps arrive on kv_empty (docs/notes/bwd-persistent.md).
-    DKDV_TMA (not PERSISTENT): dk_ptr and dv_ptr are TMA descriptors of dK and dV (blocks of
-    BLOCK_N x HEAD_DIM, K's and V's dtype and layout); the tile's dK and dV leave through K's and
-    V's shared buffers (`_store_dkdv_tma`)."""
+    DKDV_TMA: dk_ptr and dv_ptr are TMA descriptors of dK and dV (blocks of BLOCK_N x HEAD_DIM,
+    K's and V's dtype and layout); the tile's dK and dV leave through K's and V's shared buffers
+    (`_store_dkdv_tma`), with PERSISTENT through two staging buffers of their own."""
     dtype: gl.constexpr = q_desc.dtype
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -1123,10 +1138,14 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
         mbarrier.init(kv_empty, count=1)
         if not DQ_ALIAS:
             p_smem = ds_smem  # (not used)
+        if DKDV_TMA:  # dK and dV staged for their TMA stores (K's and V's buffers are refilled)
+            dkdv_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], kv_smem_layout)
+        else:
+            dkdv_smem = k_smem  # (not used)
         gl.warp_specialize([
-            (_ws_compute_persistent, (args, kv_empty, lse_strides, out_args, p_smem, CAUSAL, BLOCK_M, BLOCK_N,
-                                      HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA, DQ_ALIAS, DQ_EARLY,
-                                      PS_SMEM, TILE_ORDER)),
+            (_ws_compute_persistent, (args, kv_empty, lse_strides, out_args, p_smem, dkdv_smem, CAUSAL, BLOCK_M,
+                                      BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA, DQ_ALIAS,
+                                      DQ_EARLY, PS_SMEM, TILE_ORDER, DKDV_TMA)),
             (_ws_loader_persistent, (args, kv_empty, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA, TILE_ORDER)),
             (_ws_dq_writer_persistent, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFS, DQ_COLS, DQ_TMA,
                                         DQ_ALIAS, TILE_ORDER)),
@@ -1160,11 +1179,15 @@ def dq_columns(head_dim: int) -> int:
 # hand-over buffer: `_ws_compute_d256`, docs/notes/bwd-d256-ws.md): dQ in two halves of 128
 # columns staged in the consumed Q/dO stage; dq_early: the second half's product issued before
 # the first half's store (not measured yet).
-# dkdv_tma (default 1; one-tile warp-specialized kernels): dK and dV leave through K's and V's
-# shared buffers by TMA stores where dK/dV are TMA-addressable in K's/V's dtype (`DKDV_TMA`);
-# 0: per-thread stores. Attempt 54 (H200, 2026-11-30, `docs/runs/2026-11-30-session12/
+# dkdv_tma (default 1; warp-specialized kernels): dK and dV leave by TMA stores where dK/dV are
+# TMA-addressable in K's/V's dtype (`DKDV_TMA`); 0: per-thread stores. One-tile kernels: through
+# K's and V's shared buffers; attempt 54 (H200, 2026-11-30, `docs/runs/2026-11-30-session12/
 # bench_bwd_dkdv_tma.log`): +5-7% at D=128 (S 1024/4096, full and causal), +9% at D=256 S=1024
 # causal; the stores were half partial sectors and 19% of the compute warps' stall samples.
+# Persistent kernel: through staging buffers of its own where they fit (D=64's m128n128 2 stages;
+# not D 128/256), except in pairs order (TILE_ORDER 2); attempt 55 (H200, 2026-11-30,
+# `docs/runs/2026-11-30-session13/`): +2-4% at S=1024, S >= 4096 unchanged, but the pairs order
+# (B=1 S=16384 causal) 413 against 434 TFLOP/s in two runs.
 # Persistent (PERSISTENT) causal key-tile order where SHAPES gives no tile_order (see `_my_key_tile`):
 # pairs (a head's longest with its shortest key tile), the forward's best at most shapes. At D=64
 # (the one head dim registered persistent) heads outermost measured best: dK/dV GPU time 1.10x
@@ -1268,20 +1291,22 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def ws_shared_bytes(head_dim, block_m, block_n, stages, dq_bufs, persistent=False) -> int:
+def ws_shared_bytes(head_dim, block_m, block_n, stages, dq_bufs, persistent=False, dkdv_staging=False) -> int:
     """Shared memory of `bwd_dkdv_ws_kernel` (bf16/fp16): K and V, the Q/dO/LSE/delta ring, dS^T,
     the fp32 dQ hand-over buffers; 444 bytes of barriers and alignment on top (as compiled).
     With 64 keys on 8 warps (D=256, dq_bufs 0) each warpgroup holds half the queries of P^T and
     dS^T: P^T gets a block_n x block_m buffer of its own (PS_SMEM; as compiled: 214364 bytes at
     2 stages) or their conversion to wgmma operands a scratch buffer (at most as large; 209996).
-    persistent: PERSISTENT's kv_empty barrier, PERSISTENT_BARRIER_BYTES more as compiled."""
+    persistent: PERSISTENT's kv_empty barrier, PERSISTENT_BARRIER_BYTES more as compiled;
+    dkdv_staging: the persistent kernel's dK/dV staging buffers (DKDV_TMA)."""
     scratch = block_n * block_m * 2 if block_n < 128 else 0
     return (2 * block_n * head_dim * 2 + stages * (2 * block_m * head_dim * 2 + 2 * block_m * 4)
             + block_n * block_m * 2 + dq_bufs * block_m * head_dim * 4 + scratch + 444
-            + (PERSISTENT_BARRIER_BYTES if persistent else 0))
+            + (PERSISTENT_BARRIER_BYTES if persistent else 0) + (2 * block_n * head_dim * 2 if dkdv_staging else 0))
 
 
 PERSISTENT_BARRIER_BYTES = 32  # kv_empty: one 8-byte mbarrier, as compiled (D 64/128/256: +32 bytes)
+SMEM_PER_BLOCK = 232448  # sm_90's 227 KB of shared memory a block
 
 
 def preferred_tile_order(head_dim: int) -> int:
@@ -1304,18 +1329,22 @@ def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, d
     if persistent and not warp_specialized:
         raise ValueError("persistent dK/dV: only the warp-specialized kernel (bwd_dkdv_ws_kernel)")
     if warp_specialized:  # the writer reduces the whole handed-over tile
-        smem = ws_shared_bytes(head_dim, block_m, block_n, num_stages, shape["dq_bufs"], persistent)
-        if smem > 232448:  # sm_90's 227 KB a block (e.g. block_m 128 with 3 stages and 2 dQ buffers)
+        order = (preferred_tile_order(head_dim) if tile_order is None else tile_order) if persistent and causal else 0
+        dkdv_tma = dkdv_tma and bool(shape.get("dkdv_tma", 1))
+        if dkdv_tma and persistent:  # staging buffers of its own where they fit; not in pairs (attempt 55)
+            dkdv_tma = order != 2 and ws_shared_bytes(head_dim, block_m, block_n, num_stages, shape["dq_bufs"],
+                                                      True, True) <= SMEM_PER_BLOCK
+        smem = ws_shared_bytes(head_dim, block_m, block_n, num_stages, shape["dq_bufs"], persistent,
+                               dkdv_tma and persistent)
+        if smem > SMEM_PER_BLOCK:  # (e.g. block_m 128 with 3 stages and 2 dQ buffers)
             raise ValueError(f"warp-specialized dK/dV: block_m={block_m} block_n={block_n} stages={num_stages} "
                              f"dq_bufs={shape['dq_bufs']} at head dim {head_dim} needs {smem} bytes of shared "
-                             f"memory, more than 232448")
+                             f"memory, more than {SMEM_PER_BLOCK}")
         alias = bool(shape.get("dq_alias"))  # (D=256: the reduce-adds are of dQ's column halves)
         constexprs = dict(common, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"], DQ_TMA=dq_tma,
                           DQ_ALIAS=alias, DQ_EARLY=alias and bool(shape.get("dq_early")),
-                          PS_SMEM=alias and bool(shape.get("ps_smem")), PERSISTENT=persistent,
-                          TILE_ORDER=(preferred_tile_order(head_dim) if tile_order is None else tile_order)
-                          if persistent and causal else 0,
-                          DKDV_TMA=dkdv_tma and not persistent and bool(shape.get("dkdv_tma", 1)))
+                          PS_SMEM=alias and bool(shape.get("ps_smem")), PERSISTENT=persistent, TILE_ORDER=order,
+                          DKDV_TMA=dkdv_tma)
         return (bwd_dkdv_ws_kernel, constexprs, {"num_warps": 8, "maxnreg": 168},
                 shape["dq_cols"] if alias else head_dim)
     dq_cols = shape.get("dq_cols", dq_columns(head_dim))
