@@ -4,11 +4,14 @@ Checked against the float64 truth on the dequantized inputs with the fp8 error b
 tests/fp8_testing.py (gpu=True: it includes Hopper's reduced-precision fp8 MMA sums).
 """
 
+import math
+
 import pytest
 import torch
 
 import fmha
 from fmha import numerics
+from fmha.api import use_dispatcher
 from fmha.fp8 import quantize_fp8
 
 from fp8_testing import quantized, run_and_check, run_and_check_varlen
@@ -213,3 +216,45 @@ def test_fp8_kvcache_append_decode_step(rng):
         base_o, _ = numerics.torch_attention(q[b:b + 1].transpose(1, 2), kb.to(torch.bfloat16), vb.to(torch.bfloat16))
         c = numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16)
         assert c.ok, f"batch {b}: {c}"
+
+
+def _every_finite_code(dtype, shape, rng):
+    """A float8 tensor of `shape` holding every finite code of `dtype` (each about equally often,
+    shuffled), so that a conversion wrong for any byte shows."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    codes = codes[torch.isfinite(codes.float())]
+    picks = torch.randperm(math.prod(shape), generator=rng) % codes.numel()
+    return codes[picks].reshape(shape).to(CUDA)
+
+
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_cache_decode_equals_the_16_bit_cache_it_holds(rng, kv_dtype, q_dtype, paged):
+    """A float8 cache (descales of 1) converted in the kernel (kvcache.FP8_ASM's inline PTX on the
+    GPU) gives bitwise the decode over the same cache stored in q's dtype: the conversion is exact
+    for every finite code and the kernel is otherwise the same (products, splits, and the tile:
+    the 16-bit cache run through the float8 cache's decode config, which the registry otherwise
+    gives float8 caches only)."""
+    B, Hq, Hk, D, S, page = 4, 16, 4, 128, 2048, 64
+    shape = (B * S // page, page, Hk, D) if paged else (B, S, Hk, D)
+    k8, v8 = _every_finite_code(kv_dtype, shape, rng), _every_finite_code(kv_dtype, shape, rng)
+    q = _x((B, 1, Hq, D), rng, 0.05).to(q_dtype)  # small logits: e5m2 keys reach 57344
+    table = torch.randperm(shape[0], generator=rng).reshape(B, -1).int().to(CUDA) if paged else None
+    seqlens = torch.randint(1, S + 1, (B,), generator=rng, dtype=torch.int32).to(CUDA)
+    ones = torch.ones((B, Hk), dtype=torch.float32, device=CUDA)
+    for splits in (1, 3):
+        got = fmha.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, block_table=table, k_descale=ones,
+                                          v_descale=ones, num_splits=splits, return_lse=True)
+        config, _ = fmha.get_dispatcher().select(fmha.Problem(
+            batch=B, nhead_q=Hq, nhead_k=Hk, seqlen_q=1, seqlen_k=S, head_dim_qk=D, head_dim_v=D,
+            dtype=fmha.DType.BF16, layout="bshd", arch="sm90", seqused_k=True, paged_kv=paged, kv_fp8=True),
+            fmha.Family.FWD_SPLITKV)
+        fp8_tile = fmha.Dispatcher(fmha.Registry([config]).merged(fmha.default_registry(), name="fp8 tile"))
+        with use_dispatcher(fp8_tile):
+            want = fmha.attention_with_kvcache(q, k8.to(q_dtype), v8.to(q_dtype), cache_seqlens=seqlens,
+                                               block_table=table, num_splits=splits, return_lse=True)
+        for name, g, w in zip(("o", "lse"), got, want, strict=True):
+            assert torch.isfinite(g).all(), f"{name}, {splits} splits: not finite"
+            assert torch.equal(g, w), (f"{name}, {splits} splits: the float8 cache's decode differs from the "
+                                       f"{q_dtype} cache's by up to {(g.float() - w.float()).abs().max()}")

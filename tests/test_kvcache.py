@@ -156,3 +156,32 @@ def test_sink_tokens_reach_queries_that_the_causal_window_hides(rng):
     q, kc, vc, bt = paged_case(rng, seqlen_q=20, pages_per_seq=2)
     check(q, kc, vc, cache_seqlens=torch.tensor([3, 9, 1], dtype=torch.int32), block_table=bt,
           causal=True, sink_size=2, num_splits=2)
+
+
+def test_a_float8_cache_takes_its_own_decode_tile(rng, monkeypatch):
+    """attention_with_kvcache marks a float8 cache in the Problem (feature fp8_kv_cache); on sm90
+    the default selection passes over the 64-key decode tile for it (measured slower, attempt 57)
+    and takes the 128-key one, while a 16-bit cache keeps the 64-key tile."""
+    import fmha.kvcache as api_kvcache
+    from fmha.api import get_dispatcher
+    from fmha.configs import Family
+    from fmha.problem import Feature
+
+    seen = []
+    decode_plan = api_kvcache._decode_plan
+    monkeypatch.setattr(api_kvcache, "_decode_plan", lambda d, problem, **kw: seen.append(problem)
+                        or decode_plan(d, problem, **kw))
+    q = randn((2, 1, 4, 32), torch.bfloat16, rng)
+    for cache_dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        cache = randn((2, 40, 2, 32), torch.float32, rng).to(cache_dtype)
+        fmha.attention_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([40, 7], dtype=torch.int32))
+    assert [p.kv_fp8 for p in seen] == [True, False]
+    assert Feature.FP8_KV_CACHE in seen[0].features and Feature.FP8_KV_CACHE not in seen[1].features
+    dispatcher = get_dispatcher()
+    for kv_fp8, block_n in ((True, 128), (False, 64)):
+        problem = seen[0].with_(arch="sm90", head_dim_qk=128, head_dim_v=128, seqlen_k=8192, kv_fp8=kv_fp8)
+        config, why = dispatcher.select(problem, Family.FWD_SPLITKV)
+        assert (config.algorithm.block_m, config.algorithm.block_n) == (16, block_n), config.name
+        assert ("1 passed over before it" in why) is kv_fp8, why
+    assert "float8 KV cache: measured slower there than the next config" in dispatcher.explain(
+        seen[0].with_(arch="sm90"), Family.FWD_SPLITKV)

@@ -55,10 +55,11 @@ class Pipeline(str, Enum):
 CUDA_ARCHS = ("sm80", "sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm120")
 CPU = "cpu"
 ALL_FEATURES = frozenset(Feature)
-# What the dense kernels serve (everything but a paged cache) and what the KV-cache kernel serves.
-DENSE_FEATURES = ALL_FEATURES - {Feature.PAGED_KV}
+# What the dense kernels serve (everything but a paged or float8 cache) and what the KV-cache kernel serves.
+DENSE_FEATURES = ALL_FEATURES - {Feature.PAGED_KV, Feature.FP8_KV_CACHE}
 KVCACHE_FEATURES = frozenset({Feature.MASK, Feature.SINK_TOKENS, Feature.ALIBI, Feature.SOFTCAP,
-                              Feature.SINKS, Feature.GQA, Feature.PAGED_KV, Feature.SEQUSED_K})
+                              Feature.SINKS, Feature.GQA, Feature.PAGED_KV, Feature.SEQUSED_K,
+                              Feature.FP8_KV_CACHE})
 # The KV-cache families serve KVCACHE_FEATURES; the others DENSE_FEATURES.
 KVCACHE_FAMILIES = frozenset({Family.FWD_SPLITKV, Family.SPLITKV_COMBINE, Family.APPEND_KV})
 
@@ -85,6 +86,9 @@ class Signature:
     # keys than this (a measured speed preference, not a limit of the kernel: it still fits,
     # a tuning database may still choose it, and it serves when nothing else fits).
     max_unmasked_seqlen_k: int = 0
+    # True: the default selection passes over this config for float8 KV caches (measured slower
+    # there than the next fitting config; a speed preference as max_unmasked_seqlen_k).
+    slower_for_fp8_cache: bool = False
 
     def refusals(self, problem: Problem) -> list[str]:
         reasons = []
@@ -123,6 +127,8 @@ class Signature:
                 and problem.seqlen_k > self.max_unmasked_seqlen_k:
             return (f"no mask and seqlen_k {problem.seqlen_k} > {self.max_unmasked_seqlen_k}: "
                     f"measured slower there than the next config")
+        if self.slower_for_fp8_cache and problem.kv_fp8:
+            return "float8 KV cache: measured slower there than the next config"
         return ""
 
 

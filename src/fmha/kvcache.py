@@ -380,7 +380,7 @@ def attention_with_kvcache(
         head_dim_qk=head_dim, head_dim_v=v_cache.shape[-1], dtype=dtype, layout="bshd",
         arch=_arch(q.device), causal=causal, window=(left, right), mask_align=align,
         sink_size=sink_size, alibi=alibi_slopes is not None, softcap=float(softcap),
-        sinks=sinks is not None, varlen=qs.varlen, seqused_k=True, paged_kv=paged,
+        sinks=sinks is not None, varlen=qs.varlen, seqused_k=True, paged_kv=paged, kv_fp8=kv_fp8,
     )
     dispatcher = get_dispatcher()
     plan = _decode_plan(dispatcher, problem, append=k is not None, num_splits=num_splits,

@@ -35,6 +35,7 @@ class Feature(str, Enum):
     V_COLUMN_MAJOR = "v_column_major"
     DETERMINISTIC = "deterministic"  # bitwise reproducible backward
     PAGED_KV = "paged_kv"  # keys and values read through a block table
+    FP8_KV_CACHE = "fp8_kv_cache"  # a float8 KV cache, dequantized as it is read (16/32-bit queries)
 
 
 class MaskAlign(str, Enum):
@@ -76,6 +77,8 @@ class Problem:
     # float8: some q/k/v descale is per block along the sequence (fmha.fp8), not per
     # tensor or per (batch, head).
     fp8_block_descale: bool = False
+    # the KV cache is float8 (attention_with_kvcache; `dtype` is the queries')
+    kv_fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.causal and self.window[1] != 0:
@@ -97,6 +100,7 @@ class Problem:
             Feature.V_COLUMN_MAJOR: self.v_column_major,
             Feature.DETERMINISTIC: self.deterministic,
             Feature.PAGED_KV: self.paged_kv,
+            Feature.FP8_KV_CACHE: self.kv_fp8,
         }
         return frozenset(k for k, on in f.items() if on)
 
@@ -126,5 +130,6 @@ class Problem:
             extras.append(f"dropout={self.dropout_p}")
         extras += [f.value for f in sorted(self.features, key=lambda f: f.value)
                    if f in (Feature.BIAS, Feature.ALIBI, Feature.SINKS, Feature.VARLEN,
-                            Feature.SEQUSED_K, Feature.V_COLUMN_MAJOR, Feature.PAGED_KV)]
+                            Feature.SEQUSED_K, Feature.V_COLUMN_MAJOR, Feature.PAGED_KV,
+                            Feature.FP8_KV_CACHE)]
         return shape + ("" if not extras else " " + " ".join(extras))

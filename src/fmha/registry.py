@@ -129,9 +129,9 @@ PROFILES: dict[str, tuple[frozenset | None, frozenset | None]] = {
 
 
 def _config(family, dtypes, archs, head_dim_max, block_m, block_n, warps, stages, head_dim_min=1,
-            features=DENSE_FEATURES):
+            features=DENSE_FEATURES, **signature):
     return KernelConfig(
-        Signature(family, dtypes, archs, head_dim_max, head_dim_min, features),
+        Signature(family, dtypes, archs, head_dim_max, head_dim_min, features, **signature),
         Algorithm(block_m, block_n, warps, stages),
     )
 
@@ -273,8 +273,12 @@ def default_registry() -> Registry:
     # list VARLEN, with longer query tiles (first fit: the decode configs refuse varlen).
     kv = KVCACHE_FEATURES
     kv_varlen = kv | {Feature.VARLEN}
+    # A float8 cache takes 128-key tiles (the same bytes a tile as the 16-bit cache's 64): 1.13x
+    # (8k keys) and 1.17x (32k) the bf16 cache's decode, where 64-key tiles ran 0.91x and 1.04x
+    # (H200, 2026-11-30, attempt 57, docs/performance.md).
+    configs += [_config(Family.FWD_SPLITKV, half, cuda, 128, 16, 64, 4, 3, 1, kv, slower_for_fp8_cache=True),
+                _config(Family.FWD_SPLITKV, half, cuda, 128, 16, 128, 4, 3, 1, kv)]
     configs += _family_configs(Family.FWD_SPLITKV, [
-        (half, cuda, 128, 16, 64, 4, 3, 1, kv),
         (half, cuda, 256, 16, 32, 4, 2, 129, kv),
         (fp32, cuda, 256, 16, 32, 4, 2, 1, kv),
         (half, cuda, 128, 64, 64, 4, 2, 1, kv_varlen),
