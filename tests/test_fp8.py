@@ -7,6 +7,7 @@ the element-wise fp8 error bound derived in tests/fp8_testing.py.
 
 from __future__ import annotations
 
+import collections
 import math
 import re
 import sys
@@ -302,10 +303,13 @@ def test_fp8_kvcache_matches_reference_on_the_dequantized_cache(paged, per_head,
 
 
 @pytest.mark.parametrize("q_dtype, kv_dtype, cvt", [("bf16", "fp8e4nv", "e4m3x2"), ("fp16", "fp8e5", "e5m2x2")])
-def test_fp8_cache_is_converted_once_on_the_load_layout(q_dtype, kv_dtype, cvt):
-    """Compiled for sm_90 at the registry's decode tile, a float8 cache's K/V tile crosses shared
-    memory in 16-byte pieces and is converted by kvcache.FP8_ASM's PTX; Triton's own conversion
-    (the control) moves into the dots' operand loads and reads the tile byte by byte (attempt 56)."""
+def test_fp8_cache_is_converted_once_without_byte_loads(q_dtype, kv_dtype, cvt):
+    """Compiled for sm_90 at the float8 cache's decode tile (m16n128), the K/V tiles are copied to
+    shared memory 16 bytes at a time and converted by kvcache.FP8_ASM's PTX, without byte loads
+    from shared memory: K at the dot's operand loads (8 bytes a load, attempt 58), V on the
+    load's layout, through shared memory as 16-bit values; with both on the load's layout
+    (attempt 56) twice the 16-bit stores. Triton's own conversion (the control) reads V byte by
+    byte and copies 8 bytes at a time."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     from compile_check_kvcache import compiled_with_runtime_divisibility
 
@@ -316,22 +320,23 @@ def test_fp8_cache_is_converted_once_on_the_load_layout(q_dtype, kv_dtype, cvt):
                 **dict.fromkeys(("BlockTable", "KvIndptr", "CacheBatchIdx", "SeqlensK", "CuSeqlensQ"), "i32")}
     flags = dict.fromkeys(("HAS_CACHE_BATCH_IDX", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "HAS_SINK_TOKENS",
                            "HAS_SOFTCAP", "HAS_ALIBI", "HAS_SINKS", "SPLIT", "TABLE_INDPTR"), False)
-    ptx = {}
-    for asm in (True, False):
+    ptx, copies, shared = {}, {}, {}
+    for mode in ("k_at_dot", "load_layout", "triton"):
         constexprs = dict(flags, PAGED=True, PAGE_PER_TILE=True, PAGE_SHIFT=-1, OFFSETS_32=True, KV_SAME_STRIDES=True,
-                          ALIGN_BOTTOM_RIGHT=True, DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=64, BLOCK_DQK=128,
-                          BLOCK_DV=128, KV_FP8=True, FP8_ASM=asm)
-        ptx[asm] = compiled_with_runtime_divisibility(kvcache.splitkv_kernel, pointers, {"scale", "softcap"},
-                                                      constexprs, 4, 3).asm["ptx"]
-    copies = {asm: re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+)", p)
-              for asm, p in ptx.items()}
-    assert copies[True] and set(copies[True]) == {"0x10"}, copies[True]  # pipelined, 16 bytes a copy
-    assert "ld.shared.b8" not in ptx[True] and "ld.shared.u8" not in ptx[True]
-    assert f"cvt.rn.f16x2.{cvt}" in ptx[True]
-    assert ptx[True].count("cvt.rn.bf16.f16") == 0
+                          ALIGN_BOTTOM_RIGHT=True, DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=128, BLOCK_DQK=128,
+                          BLOCK_DV=128, KV_FP8=True, FP8_ASM=mode != "triton", FP8_K_AT_DOT=mode == "k_at_dot")
+        ptx[mode] = p = compiled_with_runtime_divisibility(kvcache.splitkv_kernel, pointers, {"scale", "softcap"},
+                                                           constexprs, 4, 3).asm["ptx"]
+        copies[mode] = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+)", p)
+        shared[mode] = collections.Counter(re.findall(r"\b((?:ld|st)\.shared(?:\.v\d)?\.[bu]\d+)", p))
+    for mode in ("k_at_dot", "load_layout"):
+        assert copies[mode] and set(copies[mode]) == {"0x10"}, copies[mode]  # pipelined, 16 bytes a copy
+        assert shared[mode]["ld.shared.b8"] == 0 and shared[mode]["ld.shared.u8"] == 0, shared[mode]
+        assert f"cvt.rn.f16x2.{cvt}" in ptx[mode] and "cvt.rn.bf16.f16" not in ptx[mode]
+    assert shared["k_at_dot"]["ld.shared.v2.b32"] > 0  # K's operand loads, 8 bytes each
+    assert 0 < shared["k_at_dot"]["st.shared.v4.b32"] < 0.6 * shared["load_layout"]["st.shared.v4.b32"], shared
     # the control: Triton's route reads bytes from shared memory and copies 8 bytes at a time
-    assert "ld.shared.b8" in ptx[False] and "0x8" in copies[False]
-
+    assert shared["triton"]["ld.shared.b8"] > 0 and "0x8" in copies["triton"]
 
 
 @pytest.mark.parametrize("rotary", [False, True])

@@ -8,11 +8,14 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import fmha
 from fmha import numerics
 from fmha.api import use_dispatcher
 from fmha.fp8 import quantize_fp8
+from fmha.kernels import kvcache
 
 from fp8_testing import quantized, run_and_check, run_and_check_varlen
 
@@ -227,15 +230,38 @@ def _every_finite_code(dtype, shape, rng):
     return codes[picks].reshape(shape).to(CUDA)
 
 
+@triton.jit
+def _convert_kernel(X, Y, n, K_AT_DOT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n)
+    tl.store(Y + offs, kvcache._dequantized(x, Y.dtype.element_ty, True, K_AT_DOT), mask=offs < n)
+
+
+@pytest.mark.parametrize("at_dot", [False, True])
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_ptx_conversion_is_exact_for_every_code(kv_dtype, dtype, at_dot):
+    """kvcache's PTX conversion (FP8_ASM; pure or not, as K's and V's) of each of the 256 codes
+    equals torch's conversion bitwise; NaN codes give NaN and e5m2's infinities stay infinite."""
+    x = torch.arange(256, dtype=torch.uint8).view(kv_dtype).to(CUDA)
+    y = torch.empty(256, dtype=dtype, device=CUDA)
+    _convert_kernel[(1,)](x, y, 256, K_AT_DOT=at_dot, BLOCK=256)
+    want = x.to(dtype)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(y), nan)
+    assert torch.equal(y[~nan].view(torch.int16), want[~nan].view(torch.int16))  # (-0.0 included)
+
+
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("paged", [False, True])
-def test_fp8_cache_decode_equals_the_16_bit_cache_it_holds(rng, kv_dtype, q_dtype, paged):
+def test_fp8_cache_decode_equals_the_16_bit_cache_it_holds(rng, monkeypatch, kv_dtype, q_dtype, paged):
     """A float8 cache (descales of 1) converted in the kernel (kvcache.FP8_ASM's inline PTX on the
-    GPU) gives bitwise the decode over the same cache stored in q's dtype: the conversion is exact
-    for every finite code and the kernel is otherwise the same (products, splits, and the tile:
-    the 16-bit cache run through the float8 cache's decode config, which the registry otherwise
-    gives float8 caches only)."""
+    GPU) gives the decode over the same cache stored in q's dtype (every finite code in K and V),
+    run through the float8 cache's decode config (which the registry otherwise gives float8
+    caches only): bitwise with both conversions on the load's layout (FP8_K_AT_DOT off: the
+    kernel's products are then the 16-bit cache's); with K's at the dot (the default: Triton
+    orders the logits' sums differently there) as close to the float64 truth as that decode."""
     B, Hq, Hk, D, S, page = 4, 16, 4, 128, 2048, 64
     shape = (B * S // page, page, Hk, D) if paged else (B, S, Hk, D)
     k8, v8 = _every_finite_code(kv_dtype, shape, rng), _every_finite_code(kv_dtype, shape, rng)
@@ -243,18 +269,34 @@ def test_fp8_cache_decode_equals_the_16_bit_cache_it_holds(rng, kv_dtype, q_dtyp
     table = torch.randperm(shape[0], generator=rng).reshape(B, -1).int().to(CUDA) if paged else None
     seqlens = torch.randint(1, S + 1, (B,), generator=rng, dtype=torch.int32).to(CUDA)
     ones = torch.ones((B, Hk), dtype=torch.float32, device=CUDA)
+    config, _ = fmha.get_dispatcher().select(fmha.Problem(
+        batch=B, nhead_q=Hq, nhead_k=Hk, seqlen_q=1, seqlen_k=S, head_dim_qk=D, head_dim_v=D,
+        dtype=fmha.DType.BF16, layout="bshd", arch="sm90", seqused_k=True, paged_kv=paged, kv_fp8=True),
+        fmha.Family.FWD_SPLITKV)
+    fp8_tile = fmha.Dispatcher(fmha.Registry([config]).merged(fmha.default_registry(), name="fp8 tile"))
+    truth = []  # float64, per sequence: (o (1, Hq, 1, D), lse (1, Hq, 1))
+    for b in range(B):
+        n = int(seqlens[b])
+        kb, vb = ((c[table[b, :-(-n // page)].long()].reshape(-1, Hk, D)[:n] if paged else c[b, :n]).double()
+                  .transpose(0, 1)[None] for c in (k8, v8))
+        truth.append(numerics.torch_attention(q[b:b + 1].transpose(1, 2), kb, vb, compute_dtype=torch.float64))
     for splits in (1, 3):
-        got = fmha.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, block_table=table, k_descale=ones,
-                                          v_descale=ones, num_splits=splits, return_lse=True)
-        config, _ = fmha.get_dispatcher().select(fmha.Problem(
-            batch=B, nhead_q=Hq, nhead_k=Hk, seqlen_q=1, seqlen_k=S, head_dim_qk=D, head_dim_v=D,
-            dtype=fmha.DType.BF16, layout="bshd", arch="sm90", seqused_k=True, paged_kv=paged, kv_fp8=True),
-            fmha.Family.FWD_SPLITKV)
-        fp8_tile = fmha.Dispatcher(fmha.Registry([config]).merged(fmha.default_registry(), name="fp8 tile"))
         with use_dispatcher(fp8_tile):
             want = fmha.attention_with_kvcache(q, k8.to(q_dtype), v8.to(q_dtype), cache_seqlens=seqlens,
                                                block_table=table, num_splits=splits, return_lse=True)
-        for name, g, w in zip(("o", "lse"), got, want, strict=True):
-            assert torch.isfinite(g).all(), f"{name}, {splits} splits: not finite"
-            assert torch.equal(g, w), (f"{name}, {splits} splits: the float8 cache's decode differs from the "
-                                       f"{q_dtype} cache's by up to {(g.float() - w.float()).abs().max()}")
+        for k_at_dot in (False, True):
+            monkeypatch.setattr(kvcache, "FP8_K_AT_DOT", k_at_dot)
+            got = fmha.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, block_table=table, k_descale=ones,
+                                              v_descale=ones, num_splits=splits, return_lse=True)
+            for name, g, w in zip(("o", "lse"), got, want, strict=True):
+                where = f"{name}, {splits} splits, K's conversion at the dot {k_at_dot}"
+                assert torch.isfinite(g).all(), f"{where}: not finite"
+                if not k_at_dot:
+                    diff = (g.float() - w.float()).abs().max()
+                    assert torch.equal(g, w), f"{where}: differs from the {q_dtype} cache's by up to {diff}"
+            if k_at_dot:
+                for b, (ref_o, ref_lse) in enumerate(truth):
+                    for c in (numerics.compare("o", got[0][b:b + 1].transpose(1, 2), ref_o,
+                                               want[0][b:b + 1].transpose(1, 2), q_dtype),
+                              numerics.compare("lse", got[1][b:b + 1], ref_lse, want[1][b:b + 1], torch.float32)):
+                        assert c.ok, f"{splits} splits, batch {b}: {c}"

@@ -14,7 +14,8 @@ and times decode (B=32, Hq=32, Hk=8, S=8192) over a bf16 cache and over an fp8 c
 --persistent: also the registry's fp8 Gluon tile as the persistent kernel (one program per SM,
 tiles in pairs under causal), which the registry does not choose for fp8; --quick: no Triton
 fp8 contender and no decode; --decode-only: the decode rows alone. The decode rows include the
-fp8 cache converted by Triton's own `.to` ("(Triton cvt)", kvcache.FP8_ASM off: attempt 56's control).
+fp8 cache converted by Triton's own `.to` ("(Triton cvt)", kvcache.FP8_ASM off: attempt 56's control) and
+with K's conversion on the load's layout too ("(K on load layout)", kvcache.FP8_K_AT_DOT off: attempt 58's).
 """
 
 from __future__ import annotations
@@ -147,15 +148,24 @@ def decode(rounds: int) -> list[dict]:
     def fp8_decode():
         return fmha.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
 
-    def fp8_decode_triton_cvt():
-        kvcache.FP8_ASM = False
-        try:
-            return fp8_decode()
-        finally:
-            kvcache.FP8_ASM = True
+    def fp8_decode_with(**switches):  # kvcache's module switches for one call
+        def run():
+            saved = {name: getattr(kvcache, name) for name in switches}
+            for name, value in switches.items():
+                setattr(kvcache, name, value)
+            try:
+                return fp8_decode()
+            finally:
+                for name, value in saved.items():
+                    setattr(kvcache, name, value)
+        return run
+
+    fp8_decode_triton_cvt = fp8_decode_with(FP8_ASM=False)
 
     runs = {"decode bf16 cache": (lambda: fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens), 2),
-            "decode fp8 cache": (fp8_decode, 1), "decode fp8 cache (Triton cvt)": (fp8_decode_triton_cvt, 1)}
+            "decode fp8 cache": (fp8_decode, 1),
+            "decode fp8 cache (K on load layout)": (fp8_decode_with(FP8_K_AT_DOT=False), 1),
+            "decode fp8 cache (Triton cvt)": (fp8_decode_triton_cvt, 1)}
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
         for name, (fn, _) in runs.items():
@@ -169,7 +179,7 @@ def decode(rounds: int) -> list[dict]:
         tbs = 2 * B * S * Hk * D * elem / ms / 1e9
         rows.append(dict(B=B, Hq=Hq, Hk=Hk, S=S, D=D, contender=name, ms=ms, kv_tb_per_s=tbs,
                          speedup_vs_bf16=bf16_ms / ms, times_ms=times[name], max_abs_diff_fp8_vs_bf16=diff))
-        print(f"{name:<30} {ms * 1e3:8.1f} us {tbs:6.2f} TB/s of K+V  x{bf16_ms / ms:.2f} vs bf16 cache")
+        print(f"{name:<36} {ms * 1e3:8.1f} us {tbs:6.2f} TB/s of K+V  x{bf16_ms / ms:.2f} vs bf16 cache")
     return rows
 
 

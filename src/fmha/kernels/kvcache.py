@@ -92,6 +92,12 @@ def _kv_rows(slot, tok, stride_row, stride_tok, hk, stride_h, OFFSETS_32: tl.con
 # its keys are not the contiguous dimension) and each element converted twice (fp8 -> f16 -> bf16)
 # on the slow conversion pipe (attempt 56, docs/performance.md). False: Triton's conversion.
 FP8_ASM = True
+# With FP8_ASM, K's conversion at the dot (pure: Triton moves it into the operand loads, which read
+# K's fp8 rows 8 bytes at a time, its reduction dimension being the contiguous one), V's on the
+# load's layout (through shared memory as 16-bit: its operand loads would be byte loads). Shared
+# memory wavefronts limited the decode (ncu: 76% L1 pipe, 21% of them bank-conflicted bf16
+# stores); this halves the 16-bit stores (attempt 58). False: both on the load's layout.
+FP8_K_AT_DOT = True
 
 # fp8 pairs -> f16 pairs (the hardware's cvt), 4 elements an instance: $2 holds 4 bytes, $0 and
 # $1 two halves each; for bf16 on through fp32 (exact: every fp8 value is an f16 and a bf16 value).
@@ -128,12 +134,13 @@ def _fp8_ptx(fp8, dtype):
 
 
 @triton.jit
-def _dequantized(x, dtype: tl.constexpr, FP8_ASM: tl.constexpr):
+def _dequantized(x, dtype: tl.constexpr, FP8_ASM: tl.constexpr, AT_DOT: tl.constexpr = False):
     """A float8 tile in `dtype` (exact). FP8_ASM (fp16/bf16 `dtype`): by inline PTX, kept where
-    the tile was loaded (impure, so no pass moves it into a dot's operand load); else Triton's `.to`."""
+    the tile was loaded (impure, so no pass moves it into a dot's operand load), or with AT_DOT
+    marked pure, which lets Triton place it at the dot's operand loads; else Triton's `.to`."""
     if FP8_ASM and dtype.primitive_bitwidth == 16:
         return tl.inline_asm_elementwise(_fp8_ptx(x.dtype, dtype), "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
-                                         dtype=dtype.value, is_pure=False, pack=4)  # (dtype: a constexpr)
+                                         dtype=dtype.value, is_pure=AT_DOT, pack=4)  # (dtype: a constexpr)
     else:
         return x.to(dtype)
 
@@ -157,11 +164,12 @@ def splitkv_kernel(
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     KDescale=None, VDescale=None, stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0,
-    KV_FP8: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, FP8_ASM: tl.constexpr = False, FP8_K_AT_DOT: tl.constexpr = False,
 ):
     # KV_FP8: float8 caches, dequantized on load to q's dtype (exact); the k descale of
     # (b, hk) folds into the logit scale, the v descale multiplies the output. FP8_ASM: the
-    # conversion by inline PTX (`_dequantized`; compiled kernels only).
+    # conversion by inline PTX (`_dequantized`; compiled kernels only), FP8_K_AT_DOT: K's at
+    # the dot's operand loads (see the module's FP8_K_AT_DOT).
     # GQA packing: the query rows of all `group_size` heads that share one KV head form
     # the tile's M dimension (row r = query i * group_size + head g), so each KV head's
     # keys and values are read once per query block, not once per query head.
@@ -255,7 +263,7 @@ def splitkv_kernel(
             k = tl.load(K + k_rows[:, None] + offs_dq[None, :],
                         mask=col_ok[:, None] & (offs_dq[None, :] < head_dim_qk), other=0.0)
             if KV_FP8:
-                k = _dequantized(k, Q.dtype.element_ty, FP8_ASM)
+                k = _dequantized(k, Q.dtype.element_ty, FP8_ASM, FP8_K_AT_DOT)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             if HAS_SOFTCAP or HAS_ALIBI:
                 s, _ = modify_logits(s, rows, cols, diag_offset, Q, row_ok[:, None], alibi_slope, softcap,
@@ -553,7 +561,7 @@ def _fp8_args(k_cache, k_descale, v_descale) -> dict:
     so that launch_cache keeps the launch)."""
     if k_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return dict(KDescale=None, VDescale=None, stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0,
-                    KV_FP8=False, FP8_ASM=False)
+                    KV_FP8=False, FP8_ASM=False, FP8_K_AT_DOT=False)
     one = torch.ones((1, 1), dtype=torch.float32, device=k_cache.device)
     kd = k_descale if k_descale is not None else one
     vd = v_descale if v_descale is not None else one
@@ -564,7 +572,7 @@ def _fp8_args(k_cache, k_descale, v_descale) -> dict:
     (kdb, kdh), (vdb, vdh) = strides(kd), strides(vd)
     # (the interpreter runs no PTX: CPU tensors take Triton's conversion)
     return dict(KDescale=kd, VDescale=vd, stride_kdb=kdb, stride_kdh=kdh, stride_vdb=vdb, stride_vdh=vdh,
-                KV_FP8=True, FP8_ASM=FP8_ASM and k_cache.is_cuda)
+                KV_FP8=True, FP8_ASM=FP8_ASM and k_cache.is_cuda, FP8_K_AT_DOT=FP8_K_AT_DOT)
 
 
 def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sinks=None,
