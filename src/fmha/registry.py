@@ -273,9 +273,10 @@ def default_registry() -> Registry:
     # list VARLEN, with longer query tiles (first fit: the decode configs refuse varlen).
     kv = KVCACHE_FEATURES
     kv_varlen = kv | {Feature.VARLEN}
-    # A float8 cache takes 128-key tiles (the same bytes a tile as the 16-bit cache's 64): 1.13x
-    # (8k keys) and 1.17x (32k) the bf16 cache's decode, where 64-key tiles ran 0.91x and 1.04x
-    # (H200, 2026-11-30, attempt 57, docs/performance.md).
+    # A float8 cache takes 128-key tiles (the same bytes a tile as the 16-bit cache's 64): 1.39x
+    # (8k keys) and 1.43x (32k) the bf16 cache's decode, where 64-key tiles ran 1.22x and 1.31x and
+    # 128 keys with 4 stages or 256 keys 0.82-1.14x (H200, 2026-11-30, attempts 57-58,
+    # docs/performance.md).
     configs += [_config(Family.FWD_SPLITKV, half, cuda, 128, 16, 64, 4, 3, 1, kv, slower_for_fp8_cache=True),
                 _config(Family.FWD_SPLITKV, half, cuda, 128, 16, 128, 4, 3, 1, kv)]
     configs += _family_configs(Family.FWD_SPLITKV, [
