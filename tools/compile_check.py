@@ -80,7 +80,8 @@ def check_fp8_kvcache() -> int:
                           HAS_CACHE_BATCH_IDX=False, ALIGN_BOTTOM_RIGHT=True, HAS_LEFT=on, HAS_RIGHT=True,
                           HAS_SINK_TOKENS=on, HAS_SOFTCAP=on, HAS_ALIBI=on, HAS_SINKS=on, SPLIT=on,
                           DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=64, BLOCK_DQK=128, BLOCK_DV=128, KV_FP8=True,
-                          FP8_ASM=True, PAGE_SHIFT=4 if on else -1, OFFSETS_32=on, KV_SAME_STRIDES=on)
+                          FP8_ASM=True, FP8_K_AT_DOT=True, PAGE_SHIFT=4 if on else -1, OFFSETS_32=on,
+                          KV_SAME_STRIDES=on)
         try:
             shared, _ = compile_one(kvcache.splitkv_kernel, ptr, {"scale", "softcap"}, constexprs, 4, 3)
             print(f"ok   splitkv_kernel   q {qdt} cache {kvdt} features={on} smem={shared}")
