@@ -185,3 +185,34 @@ def test_a_float8_cache_takes_its_own_decode_tile(rng, monkeypatch):
         assert ("1 passed over before it" in why) is kv_fp8, why
     assert "float8 KV cache: measured slower there than the next config" in dispatcher.explain(
         seen[0].with_(arch="sm90"), Family.FWD_SPLITKV)
+
+
+def test_explain_kvcache_says_what_the_call_would_launch_and_why(rng, monkeypatch):
+    """fmha.explain_kvcache: the call's plan (append, split-KV attention, combine), its key splits
+    and every split-KV config's verdict, after the call's own checks; nothing is launched and the
+    cache is not written. On the H200 path a float8 cache shows the 64-key tile passed over."""
+    import fmha.kvcache as api_kvcache
+
+    q = randn((2, 1, 8, 64), torch.bfloat16, rng)
+    cache = randn((2, 300, 2, 64), torch.float32, rng).to(torch.float8_e4m3fn)
+    seqlens = torch.tensor([299, 100], dtype=torch.int32)
+    new = randn((2, 1, 2, 64), torch.bfloat16, rng)
+    before = cache.clone()
+    text = fmha.explain_kvcache(q, cache, cache, k=new, v=new, cache_seqlens=seqlens, num_splits=3, causal=True)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))  # not written
+    lines = text.splitlines()
+    assert "fp8_kv_cache" in lines[0] and "causal" in lines[0]
+    assert [line.split()[1] for line in lines[1:4]] == ["append_kv", "fwd_splitkv", "splitkv_combine"]
+    assert "key splits: 3 (num_splits=3)" in text and "family: fwd_splitkv" in text
+    with pytest.raises(ValueError, match="num_splits"):  # the call's checks
+        fmha.explain_kvcache(q, cache, cache, cache_seqlens=seqlens, num_splits=True)
+    with pytest.raises(TypeError):
+        fmha.explain_kvcache(q, cache, cache, cache_seqlen=seqlens)
+    monkeypatch.setattr(api_kvcache, "_arch", lambda device: "sm90")
+    monkeypatch.setattr(api_kvcache, "_sm_count", lambda device: 132)
+    text = fmha.explain_kvcache(q, cache, cache, cache_seqlens=seqlens)
+    assert "fwd_splitkv_fp16-bf16_d1-128_cuda_triton_m16n128w4s3  (heuristic: first fit" in text
+    assert "m16n64w4s3: fits, passed over by the default selection: float8 KV cache" in text
+    assert "key splits: 1 (the split policy's, SplitPolicy(" in text
+    assert "m16n64w4s3  (heuristic" in fmha.explain_kvcache(q, cache.to(torch.bfloat16), cache.to(torch.bfloat16),
+                                                            cache_seqlens=seqlens)

@@ -5,7 +5,8 @@
 
 CUDA tensors run compiled kernels; CPU tensors run the same kernels through Triton's
 interpreter. Float8 q/k/v run the forward with descales (`fmha.quantize_fp8`, see fmha.fp8).
-`fmha.explain(q, k, v, ...)` says which kernels a call would launch and why.
+`fmha.explain(q, k, v, ...)` says which kernels a call would launch and why
+(`fmha.explain_kvcache(q, k_cache, v_cache, ...)` for `attention_with_kvcache`).
 """
 
 from . import fp8
@@ -20,7 +21,7 @@ from .api import (
 from .configs import Algorithm, ConfigError, Family, KernelConfig, Pipeline, Signature
 from .dispatcher import Dispatcher, NoKernelError, Plan, SplitPolicy
 from .fp8 import dequantize_fp8, quantize_fp8
-from .kvcache import attention_with_kvcache, merge_states
+from .kvcache import attention_with_kvcache, explain_kvcache, merge_states
 from .problem import DType, Feature, MaskAlign, Problem
 from .registry import Registry, default_registry
 from .validation import set_debug
@@ -28,7 +29,8 @@ from .validation import set_debug
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "attention_varlen", "attention_with_kvcache", "merge_states", "explain", "problem_of",
+    "attention", "attention_varlen", "attention_with_kvcache", "merge_states", "explain", "explain_kvcache",
+    "problem_of",
     "get_dispatcher", "set_dispatcher",
     "set_debug", "Algorithm", "ConfigError", "Family", "KernelConfig", "Pipeline", "Signature",
     "Dispatcher", "NoKernelError", "Plan", "SplitPolicy", "DType", "Feature", "MaskAlign", "Problem", "Registry",

@@ -23,6 +23,7 @@ decode call repeated with inputs of the same metadata takes its call plan
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import weakref
 from dataclasses import dataclass
@@ -255,6 +256,83 @@ def _make_decode_plan(dispatcher: Dispatcher, problem: Problem, *, append: bool,
     )
 
 
+@dataclass(frozen=True)
+class _Call:
+    """An `attention_with_kvcache` call checked: its queries, cache index and Problem, the mask
+    window and alignment, whether RoPE applies, and a float8 cache's descales as fp32 views."""
+
+    queries: _Queries
+    cache: _CacheIndex
+    problem: Problem
+    window: tuple[int, int]
+    align: MaskAlign
+    rotary: bool
+    k_descale: Tensor | None
+    v_descale: Tensor | None
+
+
+def _checked_call(q, k_cache, v_cache, *, k, v, cache_seqlens, block_table, cache_batch_idx, kv_indptr, kv_indices,
+                  kv_last_page_len, cu_seqlens_q, max_seqlen_q, rotary_cos, rotary_sin, num_splits, scale, causal,
+                  window, mask_align, sink_size, softcap, alibi_slopes, sinks, k_descale, v_descale) -> _Call:
+    """Every check of `attention_with_kvcache`'s arguments (errors name the argument) and the
+    Problem it solves; what both the call and `explain_kvcache` start from."""
+    qs = _check_queries(q, cu_seqlens_q, max_seqlen_q)
+    V.check_tensor("k_cache", k_cache, 4)
+    V.check_tensor("v_cache", v_cache, 4)
+    dtype = V.check_dtype("q", q)
+    kv_fp8 = k_cache.dtype in V.FP8_DTYPES
+    if kv_fp8:  # float8 cache, 16/32-bit queries
+        V.check_same(("k_cache", "v_cache"), (k_cache, v_cache))
+        if k_cache.device != q.device:
+            raise ValueError(f"k_cache is on {k_cache.device} but q is on {q.device}; use one device")
+    else:
+        V.check_same(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
+    left, right = V.check_scalars(scale=scale, softcap=softcap, window=window, sink_size=sink_size,
+                                  dropout_p=0.0, causal=causal)
+    align = V.check_mask_align(mask_align)
+    batch, seqlen_q, nhead_q, head_dim = qs.batch, qs.seqlen_q, qs.nhead_q, qs.head_dim
+    nhead_k = k_cache.shape[2]
+    V.check_heads(nhead_q, nhead_k, v_cache.shape[2])
+    if k_cache.shape[-1] != head_dim:
+        raise ValueError(f"k_cache has head dim {k_cache.shape[-1]} but q has {head_dim}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must "
+                         f"agree in all but the last dimension")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        V.check_last_dim_contiguous(name, t)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new tokens for the cache)")
+    if k is not None:
+        _check_new_kv(qs, q, k, v, nhead_k, v_cache.shape[-1])
+    cache = _cache_index(qs, k_cache, qs.new_tokens(k), cache_seqlens=cache_seqlens,
+                         block_table=block_table, cache_batch_idx=cache_batch_idx, kv_indptr=kv_indptr,
+                         kv_indices=kv_indices, kv_last_page_len=kv_last_page_len)
+    paged = cache.table is not None
+    rotary = rotary_cos is not None or rotary_sin is not None
+    if rotary:
+        _check_rotary(rotary_cos, rotary_sin, q.device, head_dim)
+        if k is None:
+            raise ValueError("rotary_cos/rotary_sin rotate the new k and q: pass k and v")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= 128:
+        raise ValueError(f"num_splits={num_splits!r} must be an int in [0, 128] (0: heuristic)")
+    V.check_alibi(alibi_slopes, batch, nhead_q, q.device)
+    V.check_sinks(sinks, nhead_q, q.device, q.dtype)
+    kd2, vd2 = _check_cache_descales(kv_fp8, k_cache, k_descale, v_descale, batch, nhead_k, q.device)
+    if kv_fp8 and qs.varlen and k is not None and (kd2.shape[0] != 1 or vd2.shape[0] != 1):
+        raise NotImplementedError("per-(batch, KV head) k_descale/v_descale with packed new k/v "
+                                  "(cu_seqlens_q) are not supported: pass per-tensor descales, or "
+                                  "append without cu_seqlens_q")
+
+    problem = Problem(
+        batch=batch, nhead_q=nhead_q, nhead_k=nhead_k, seqlen_q=seqlen_q, seqlen_k=cache.seqlen_k,
+        head_dim_qk=head_dim, head_dim_v=v_cache.shape[-1], dtype=dtype, layout="bshd",
+        arch=_arch(q.device), causal=causal, window=(left, right), mask_align=align,
+        sink_size=sink_size, alibi=alibi_slopes is not None, softcap=float(softcap),
+        sinks=sinks is not None, varlen=qs.varlen, seqused_k=True, paged_kv=paged, kv_fp8=kv_fp8,
+    )
+    return _Call(qs, cache, problem, (left, right), align, rotary, kd2, vd2)
+
+
 def attention_with_kvcache(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, *, k: Tensor | None = None, v: Tensor | None = None,
     cache_seqlens: Tensor | int | None = None, block_table: Tensor | None = None,
@@ -328,60 +406,15 @@ def attention_with_kvcache(
                                 kv_indices if indptr_tables else block_table, kv_indptr)
             if out is not None:
                 return out if return_lse else out[0]
-    qs = _check_queries(q, cu_seqlens_q, max_seqlen_q)
-    V.check_tensor("k_cache", k_cache, 4)
-    V.check_tensor("v_cache", v_cache, 4)
-    dtype = V.check_dtype("q", q)
-    kv_fp8 = k_cache.dtype in V.FP8_DTYPES
-    if kv_fp8:  # float8 cache, 16/32-bit queries
-        V.check_same(("k_cache", "v_cache"), (k_cache, v_cache))
-        if k_cache.device != q.device:
-            raise ValueError(f"k_cache is on {k_cache.device} but q is on {q.device}; use one device")
-    else:
-        V.check_same(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
-    left, right = V.check_scalars(scale=scale, softcap=softcap, window=window, sink_size=sink_size,
-                                  dropout_p=0.0, causal=causal)
-    align = V.check_mask_align(mask_align)
+    call = _checked_call(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
+                         cache_batch_idx=cache_batch_idx, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                         kv_last_page_len=kv_last_page_len, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                         rotary_cos=rotary_cos, rotary_sin=rotary_sin, num_splits=num_splits, scale=scale,
+                         causal=causal, window=window, mask_align=mask_align, sink_size=sink_size, softcap=softcap,
+                         alibi_slopes=alibi_slopes, sinks=sinks, k_descale=k_descale, v_descale=v_descale)
+    qs, cache, problem, (left, right), align = call.queries, call.cache, call.problem, call.window, call.align
+    kd2, vd2, rotary, kv_fp8 = call.k_descale, call.v_descale, call.rotary, problem.kv_fp8
     batch, seqlen_q, nhead_q, head_dim = qs.batch, qs.seqlen_q, qs.nhead_q, qs.head_dim
-    nhead_k = k_cache.shape[2]
-    V.check_heads(nhead_q, nhead_k, v_cache.shape[2])
-    if k_cache.shape[-1] != head_dim:
-        raise ValueError(f"k_cache has head dim {k_cache.shape[-1]} but q has {head_dim}")
-    if k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must "
-                         f"agree in all but the last dimension")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        V.check_last_dim_contiguous(name, t)
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (new tokens for the cache)")
-    if k is not None:
-        _check_new_kv(qs, q, k, v, nhead_k, v_cache.shape[-1])
-    cache = _cache_index(qs, k_cache, qs.new_tokens(k), cache_seqlens=cache_seqlens,
-                         block_table=block_table, cache_batch_idx=cache_batch_idx, kv_indptr=kv_indptr,
-                         kv_indices=kv_indices, kv_last_page_len=kv_last_page_len)
-    paged = cache.table is not None
-    rotary = rotary_cos is not None or rotary_sin is not None
-    if rotary:
-        _check_rotary(rotary_cos, rotary_sin, q.device, head_dim)
-        if k is None:
-            raise ValueError("rotary_cos/rotary_sin rotate the new k and q: pass k and v")
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= 128:
-        raise ValueError(f"num_splits={num_splits!r} must be an int in [0, 128] (0: heuristic)")
-    V.check_alibi(alibi_slopes, batch, nhead_q, q.device)
-    V.check_sinks(sinks, nhead_q, q.device, q.dtype)
-    kd2, vd2 = _check_cache_descales(kv_fp8, k_cache, k_descale, v_descale, batch, nhead_k, q.device)
-    if kv_fp8 and qs.varlen and k is not None and (kd2.shape[0] != 1 or vd2.shape[0] != 1):
-        raise NotImplementedError("per-(batch, KV head) k_descale/v_descale with packed new k/v "
-                                  "(cu_seqlens_q) are not supported: pass per-tensor descales, or "
-                                  "append without cu_seqlens_q")
-
-    problem = Problem(
-        batch=batch, nhead_q=nhead_q, nhead_k=nhead_k, seqlen_q=seqlen_q, seqlen_k=cache.seqlen_k,
-        head_dim_qk=head_dim, head_dim_v=v_cache.shape[-1], dtype=dtype, layout="bshd",
-        arch=_arch(q.device), causal=causal, window=(left, right), mask_align=align,
-        sink_size=sink_size, alibi=alibi_slopes is not None, softcap=float(softcap),
-        sinks=sinks is not None, varlen=qs.varlen, seqused_k=True, paged_kv=paged, kv_fp8=kv_fp8,
-    )
     dispatcher = get_dispatcher()
     plan = _decode_plan(dispatcher, problem, append=k is not None, num_splits=num_splits,
                         sm_count=_sm_count(q.device))
@@ -442,6 +475,26 @@ def attention_with_kvcache(
             keep_plan(_DECODE_CALL_PLANS, key, _DecodeCallPlan(dispatcher, state, o.shape, lse_shape, splits,
                                                                attended, combined))
     return (o, lse) if return_lse else o
+
+
+def explain_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, **kwargs) -> str:
+    """Which kernels `attention_with_kvcache(q, k_cache, v_cache, **kwargs)` would launch, with
+    how many key splits, and why: the call's checks and the dispatcher's choices, nothing
+    launched (the cache is not written)."""
+    arguments = inspect.signature(attention_with_kvcache).bind(q, k_cache, v_cache, **kwargs)
+    arguments.apply_defaults()
+    named = dict(arguments.arguments)
+    for name in ("q", "k_cache", "v_cache", "return_lse", "rotary_interleaved"):  # (no checks depend on the last two)
+        del named[name]
+    call = _checked_call(q, k_cache, v_cache, **named)
+    dispatcher = get_dispatcher()
+    append, forced = named["k"] is not None, named["num_splits"]
+    splits = _decode_plan(dispatcher, call.problem, append=append, num_splits=forced,
+                          sm_count=_sm_count(q.device)).splits
+    how = f"num_splits={forced}" if forced else f"the split policy's, {dispatcher.split_policy}"
+    return "\n".join([dispatcher.plan_kvcache(call.problem, append=append, num_splits=splits).describe(),
+                      f"key splits: {splits} ({how})", "",
+                      dispatcher.explain(call.problem, Family.FWD_SPLITKV)])
 
 
 # ----------------------------------------------------------------------------------------
