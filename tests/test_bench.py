@@ -263,3 +263,56 @@ def test_runner_host_time_is_the_enqueue_time_of_a_call(monkeypatch):
     assert runner.host_ms(measured_ms=100.0) >= 2.0 and len(calls) == 3  # at least 3 calls
     calls.clear()  # fwd+bwd minus fwd: no single call to compare with
     assert bench._Runner("fmha", [(1.0, slow_call), (-1.0, slow_call)]).host_ms(1.0) is None and not calls
+
+
+def test_decode_suite_runs_and_reports_on_the_cpu(tmp_path):
+    """bench_decode end to end with CPU tensors (Triton's interpreter; the harness itself is the
+    GPU's `fmha bench --decode`): contiguous and paged, 16-bit and float8 caches; fmha's
+    output agrees with SDPA's over the same keys, bandwidth counts a float8 cache's bytes as
+    one an element, a contender that cannot run (cuDNN on the CPU) is reported n/a with its error,
+    and the table and JSON are written."""
+    from fmha import bench_decode
+    from fmha.bench_decode import DecodeShape
+
+    shapes = [DecodeShape(2, 4, 2, 64, 32, "fp16", page, fp8) for page in (0, 16) for fp8 in (False, True)]
+    calls = []
+
+    def timer(fn):
+        calls.append(fn)
+        return bench.time_ms(fn, device="cpu", warmup=0, repeat=1)
+
+    rows = bench_decode.run_decode_suite(shapes, ["fmha", "cudnn", "flash"], rounds=2, timer=timer, device="cpu")
+    assert len(rows) == 12 and len(calls) == 4 * 2 * 2  # fmha and flash, two rounds, four shapes
+    for r in rows:
+        if r["contender"] == "cudnn":
+            assert not r["ok"] and r["error"] and r["tb_per_s"] is None
+            continue
+        assert r["ok"] and len(r["times_ms"]) == 2 and r["tb_per_s"] > 0, r
+        element = 1 if r["fp8_cache"] and r["contender"] == "fmha" else 2
+        assert r["kv_bytes"] == 2 * 2 * 64 * 2 * 32 * element
+        if r["contender"] == "flash":
+            assert r["diff_against"] == "fmha" and r["max_abs_diff"] < 2e-3, r  # same keys, fp16 outputs
+    text = Console(file=io.StringIO(), width=200)
+    text.print(bench_decode.render_decode_table(rows))
+    table = text.file.getvalue()
+    assert "paged(16) fp8 cache" in table and "n/a" in table
+    assert bench_decode.decode_summary(rows) == {"geomean_cudnn_over_fmha": None, "shapes": 0, "total": 4}
+    cudnn_like = [dict(r, contender="cudnn", ok=True, time_ms=2 * r["time_ms"]) for r in rows
+                  if r["contender"] == "fmha"]  # (as if cuDNN had run, twice as slow)
+    assert bench_decode.decode_summary(rows + cudnn_like)["geomean_cudnn_over_fmha"] == pytest.approx(2.0)
+    bench.write_json(tmp_path / "decode.json", rows, summary_data=bench_decode.decode_summary(rows))
+    data = json.loads((tmp_path / "decode.json").read_text())
+    assert len(data["results"]) == 12 and data["summary"]["total"] == 4
+    with pytest.raises(ValueError, match="page_size"):
+        DecodeShape(2, 4, 2, 64, 32, page_size=24)
+
+
+def test_bench_decode_flags(capsys, monkeypatch):
+    assert cli.main(["bench", "--decode", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "8 decode shapes" in out and "S=32768" in out and "paged(64) fp8 cache" in out
+    assert cli.main(["bench", "--decode", "--suite", "quick"]) == 2
+    assert "its own suite" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "--decode"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -536,10 +536,11 @@ def environment() -> dict[str, Any]:
 
 
 def write_json(path: str | Path, results: list[dict], env: dict | None = None,
-               settings: dict | None = None) -> None:
-    """{"environment", "settings", "summary", "results"} as JSON."""
+               settings: dict | None = None, summary_data: dict | None = None) -> None:
+    """{"environment", "settings", "summary", "results"} as JSON (summary: `summary(results)`
+    unless given, e.g. bench_decode.decode_summary)."""
     data = {"environment": env if env is not None else environment(), "settings": settings or {},
-            "summary": summary(results), "results": results}
+            "summary": summary(results) if summary_data is None else summary_data, "results": results}
     Path(path).write_text(json.dumps(data, indent=2))
 
 
@@ -664,6 +665,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge", nargs="+", metavar="FILE", default=None,
                    help="no timing: read JSON files of earlier runs, print the joint table and "
                         "write --json/--csv/--plot (no GPU needed)")
+    p.add_argument("--decode", action="store_true",
+                   help="the decode suite instead (fmha.attention_with_kvcache against SDPA cuDNN and flash: "
+                        "one query token over 8k/32k cached keys, contiguous and paged, bf16 and float8 caches; "
+                        "time and TB/s of K+V)")
     p.add_argument("--dry-run", action="store_true", help="list the shapes and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -725,10 +730,12 @@ def command(args: argparse.Namespace, console: Any) -> int:
         _report(results, env, {"merged_from": list(args.merge)}, args, console,
                 list(dict.fromkeys(r["contender"] for r in results)))
         return 0
-    shapes = shapes_from_args(args)
-    modes = list(MODES) if args.mode == "both" else [args.mode]
     if args.rounds < 1:
         raise ValueError(f"--rounds {args.rounds} must be >= 1")
+    if getattr(args, "decode", False):
+        return _decode_command(args, console)
+    shapes = shapes_from_args(args)
+    modes = list(MODES) if args.mode == "both" else [args.mode]
     if args.dry_run:
         for shape in shapes:
             console.print(f"{shape.label}  fwd {shape.flops('fwd') / 1e12:.2f} TFLOP")
@@ -757,6 +764,47 @@ def command(args: argparse.Namespace, console: Any) -> int:
     results = run_suite(shapes, modes, args.contenders, args.rounds, progress=not args.no_progress,
                         warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, on_shape_done=partial, console=console)
     _report(results, env, {**settings, "complete": True}, args, console, args.contenders)
+    return 0
+
+
+def _decode_command(args: argparse.Namespace, console: Any) -> int:
+    """`fmha bench --decode` (bench_decode): the decode suite, its table and JSON."""
+    from . import bench_decode
+
+    custom = [name for name in ("batch", "nhead_q", "nhead_k", "seqlen", "hdim", "dtype", "causal")
+              if getattr(args, name) is not None]
+    if custom or args.suite is not None or args.shard is not None or args.csv or args.plot:
+        raise ValueError("--decode runs its own suite: no --suite, shape flags, --shard, --csv or --plot with it")
+    shapes = bench_decode.decode_suite()
+    contenders = [c for c in args.contenders if c in bench_decode.DECODE_CONTENDERS]
+    if args.dry_run:
+        for shape in shapes:
+            console.print(f"{shape.label}  {shape.kv_bytes('fmha') / 1e9:.2f} GB of K+V for fmha")
+        console.print(f"{len(shapes)} decode shapes x contenders {contenders}")
+        return 0
+    if not torch.cuda.is_available():
+        print("error: fmha bench --decode needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    from triton.testing import do_bench
+
+    env = environment()
+    settings = {"suite": "decode", "contenders": contenders, "rounds": args.rounds, "warmup_ms": args.warmup_ms,
+                "rep_ms": args.rep_ms, "do_bench_return_mode": "median",
+                "bandwidth": "bytes of K and V each contender reads (float8 cache: 1 byte an element) over the time"}
+    console.print(f"fmha bench --decode on {env['gpu']}: {len(shapes)} shapes, contenders {contenders}, "
+                  f"{args.rounds} rounds" + (" (flex has no decode contender)" if "flex" in args.contenders else ""))
+    results = bench_decode.run_decode_suite(
+        shapes, contenders, args.rounds,
+        timer=lambda fn: do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median"))
+    console.print(bench_decode.render_decode_table(results, contenders))
+    for r in results:
+        if not r["ok"]:
+            console.print(f"n/a: {r['contender']} {r['shape']}: {r['error']}")
+    summary_data = bench_decode.decode_summary(results)
+    console.print(f"geomean cuDNN time / fmha time: {summary_data['geomean_cudnn_over_fmha']}")
+    if args.json:
+        write_json(args.json, results, env, settings, summary_data)
+        console.print(f"wrote {args.json}")
     return 0
 
 
