@@ -155,6 +155,26 @@ def test_kernels_explain_names_the_selected_config(capsys):
     assert "refused" in out
 
 
+def test_kernels_explain_any_family(capsys):
+    """--family: the KV-cache families take the problem as attention_with_kvcache builds it (bshd,
+    key counts on the device, --paged-kv, --fp8-kv-cache); the float8 cache's decode skips the
+    64-key tile. The cache flags with a dense family are refused (exit 2)."""
+    decode = ["--arch", "sm90", "--dtype", "bf16", "-b", "32", "--nhead-q", "32", "--nhead-k", "8", "--seqlen-q", "1",
+              "--seqlen-k", "8192", "--hdim-q", "128"]
+    code, out, _ = run(capsys, "kernels", "explain", "--family", "fwd_splitkv", "--fp8-kv-cache", "--paged-kv",
+                       *decode)
+    assert code == 0 and "family: fwd_splitkv" in out and "fp8_kv_cache paged_kv seqused_k" in out
+    assert "selected: fwd_splitkv_fp16-bf16_d1-128_cuda_triton_m16n128w4s3" in out
+    assert "passed over by the default selection: float8 KV cache" in out
+    code, out, _ = run(capsys, "kernels", "explain", "--family", "fwd_splitkv", *decode)
+    assert code == 0 and "selected: fwd_splitkv_fp16-bf16_d1-128_cuda_triton_m16n64w4s3" in out
+    code, out, _ = run(capsys, "kernels", "explain", "--family", "bwd_dq_dk_dv", "--arch", "sm90", "--dtype", "bf16",
+                       "--hdim-q", "128")
+    assert code == 0 and "family: bwd_dq_dk_dv" in out and "selected: bwd_dq_dk_dv" in out
+    code, _, err = run(capsys, "kernels", "explain", "--fp8-kv-cache")
+    assert code == 2 and "KV-cache --family" in err
+
+
 def test_kernels_explain_exits_1_when_nothing_fits(capsys):
     code, out, _ = run(capsys, "kernels", "explain", "--arch", "cpu", "--hdim-q", "300")
     assert code == 1

@@ -39,7 +39,7 @@ import torch
 
 from . import bench, numerics, numerics_study, precompile, reference, sweeps, tuning
 from .api import attention, get_dispatcher, problem_of
-from .configs import CPU, CUDA_ARCHS, SPEC_FORMS, ConfigError, Family, KernelConfig, autofill_report
+from .configs import CPU, CUDA_ARCHS, KVCACHE_FAMILIES, SPEC_FORMS, ConfigError, Family, KernelConfig, autofill_report
 from .dispatcher import Dispatcher, NoKernelError
 from .problem import DType, Feature, MaskAlign, Problem
 from .registry import PROFILES, Registry
@@ -493,10 +493,16 @@ def _cmd_kernels_list(args: argparse.Namespace, console: Any) -> int:
 def _cmd_kernels_explain(args: argparse.Namespace, console: Any) -> int:
     arch = args.arch or current_arch()
     problem = _spec_from_args(args, arch == CPU, title="explain").problem(arch)
+    family = Family(args.family)
+    if family in KVCACHE_FAMILIES:  # as attention_with_kvcache builds it: bshd, key counts on the device
+        problem = problem.with_(layout="bshd", seqused_k=True, paged_kv=args.paged_kv, kv_fp8=args.fp8_kv_cache)
+    elif args.paged_kv or args.fp8_kv_cache:
+        raise ValueError(f"--paged-kv and --fp8-kv-cache describe a KV cache: use them with a KV-cache --family "
+                         f"({', '.join(sorted(f.value for f in KVCACHE_FAMILIES))}), not {family.value}")
     dispatcher = Dispatcher(_registry(args)) if args.registry else get_dispatcher()
-    console.print(dispatcher.explain(problem, Family.FWD), soft_wrap=True)
+    console.print(dispatcher.explain(problem, family), soft_wrap=True)
     try:
-        dispatcher.select(problem, Family.FWD)
+        dispatcher.select(problem, family)
     except NoKernelError:
         return 1
     return 0
@@ -835,11 +841,16 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--profile", choices=sorted(PROFILES), default=None, help="only a named subset (CK's receipts)")
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=_cmd_kernels_list)
-    k = ks.add_parser("explain", help="which fwd config a problem gets, and why the others are refused",
+    k = ks.add_parser("explain", help="which config of a family a problem gets, and why the others are refused",
                       description="Exit code 1 when no config fits.")
     _add_problem_flags(k)
     k.add_argument("--arch", default=None, help="arch of the problem (default: the current device's, "
                    "cpu without CUDA)")
+    k.add_argument("--family", choices=[f.value for f in Family], default=Family.FWD.value,
+                   help="the kernel family (default fwd); the KV-cache families take the problem as a decode "
+                        "or prefill over a cache of seqlen-k keys")
+    k.add_argument("--paged-kv", action="store_true", help="KV-cache families: a paged cache")
+    k.add_argument("--fp8-kv-cache", action="store_true", help="KV-cache families: a float8 cache")
     k.add_argument("--registry", metavar="FILE", default=None, help="a registry JSON instead of the default")
     k.set_defaults(func=_cmd_kernels_explain)
     k = ks.add_parser("build", help="compile the registry's kernels for a CUDA arch, in parallel",
