@@ -110,11 +110,7 @@ class Shape:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; accepted: {list(DTYPES)}")
-        for name in ("batch", "nhead_q", "nhead_k", "seqlen", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.nhead_q % self.nhead_k:
-            raise ValueError(f"nhead_q={self.nhead_q} is not a multiple of nhead_k={self.nhead_k}")
+        check_sizes(self, ("batch", "nhead_q", "nhead_k", "seqlen", "head_dim"))
 
     @property
     def gqa(self) -> bool:
@@ -130,6 +126,15 @@ class Shape:
         """FLOPs of one call in `mode` ("fwd" or "bwd"), FlashAttention convention."""
         return flops(self.batch, self.nhead_q, self.seqlen, self.seqlen, self.head_dim,
                      causal=self.causal, mode=mode)
+
+
+def check_sizes(shape: Any, names: Sequence[str]) -> None:
+    """A benchmark shape's sizes `names` at least 1, and nhead_q a multiple of nhead_k."""
+    for name in names:
+        if getattr(shape, name) < 1:
+            raise ValueError(f"{name}={getattr(shape, name)} must be >= 1")
+    if shape.nhead_q % shape.nhead_k:
+        raise ValueError(f"nhead_q={shape.nhead_q} is not a multiple of nhead_k={shape.nhead_k}")
 
 
 def flops(batch: int, nhead_q: int, seqlen_q: int, seqlen_k: int, head_dim: int, *,
@@ -683,10 +688,13 @@ def _shard(text: str) -> tuple[int, int]:
     return k, n
 
 
+# The custom-shape flags of `fmha bench` (argparse destinations).
+SHAPE_FLAGS = ("batch", "nhead_q", "nhead_k", "seqlen", "hdim", "dtype", "causal")
+
+
 def shapes_from_args(args: argparse.Namespace) -> list[Shape]:
     """The shapes selected by `fmha bench` flags (ValueError on a conflict)."""
-    custom = {name: getattr(args, name) for name in ("batch", "nhead_q", "nhead_k", "seqlen", "hdim",
-                                                     "dtype", "causal")}
+    custom = {name: getattr(args, name) for name in SHAPE_FLAGS}
     if any(value is not None for value in custom.values()):
         if args.suite is not None:
             raise ValueError("give either --suite or custom shape flags (-b, --nhead-q, --nhead-k, "
@@ -771,8 +779,7 @@ def _decode_command(args: argparse.Namespace, console: Any) -> int:
     """`fmha bench --decode` (bench_decode): the decode suite, its table and JSON."""
     from . import bench_decode
 
-    custom = [name for name in ("batch", "nhead_q", "nhead_k", "seqlen", "hdim", "dtype", "causal")
-              if getattr(args, name) is not None]
+    custom = any(getattr(args, name) is not None for name in SHAPE_FLAGS)
     if custom or args.suite is not None or args.shard is not None or args.csv or args.plot:
         raise ValueError("--decode runs its own suite: no --suite, shape flags, --shard, --csv or --plot with it")
     shapes = bench_decode.decode_suite()

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .bench import check_sizes
+
 DECODE_CONTENDERS: tuple[str, ...] = ("fmha", "cudnn", "flash")
 
 
@@ -39,11 +41,7 @@ class DecodeShape:
     def __post_init__(self) -> None:
         if self.dtype not in ("bf16", "fp16"):
             raise ValueError(f"dtype={self.dtype!r} is not supported for decode; accepted: ['bf16', 'fp16']")
-        for name in ("batch", "nhead_q", "nhead_k", "seqlen_k", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.nhead_q % self.nhead_k:
-            raise ValueError(f"nhead_q={self.nhead_q} is not a multiple of nhead_k={self.nhead_k}")
+        check_sizes(self, ("batch", "nhead_q", "nhead_k", "seqlen_k", "head_dim"))
         if self.page_size < 0 or (self.page_size and self.seqlen_k % self.page_size):
             raise ValueError(f"page_size={self.page_size} must be 0 or divide seqlen_k={self.seqlen_k}")
 
