@@ -281,8 +281,21 @@ def test_decode_suite_runs_and_reports_on_the_cpu(tmp_path):
         calls.append(fn)
         return bench.time_ms(fn, device="cpu", warmup=0, repeat=1)
 
-    rows = bench_decode.run_decode_suite(shapes, ["fmha", "cudnn", "flash"], rounds=2, timer=timer, device="cpu")
+    hosted = []
+
+    def host_timer(fn):
+        hosted.append(fn)
+        return 0.25 * len(hosted)
+
+    rows = bench_decode.run_decode_suite(shapes, ["fmha", "cudnn", "flash"], rounds=2, timer=timer, device="cpu",
+                                         host_timer=host_timer)
     assert len(rows) == 12 and len(calls) == 4 * 2 * 2  # fmha and flash, two rounds, four shapes
+    assert hosted == calls  # the host time of each timed call, after its timing
+    assert rows[0]["host_ms"] == pytest.approx((0.25 + 1.0) / 2)  # fmha: 1st call, then 4th (order rotated)
+    assert all(r["mode"] == "decode" for r in rows)
+    assert all((r["host_ms"] is None) == (not r["ok"]) for r in rows)
+    bound = [dict(r, host_ms=r["time_ms"]) for r in rows if r["ok"]][:1]
+    assert bench.host_bound_rows(bound)[0].startswith(f"host-bound: fmha decode {rows[0]['shape']}: ")
     for r in rows:
         if r["contender"] == "cudnn":
             assert not r["ok"] and r["error"] and r["tb_per_s"] is None

@@ -118,7 +118,8 @@ def test_tensors_by_keyword_are_not_cached(monkeypatch):
 def test_every_decode_launch_has_a_key_and_the_16_bit_ones_are_cached(monkeypatch):
     """attention_with_kvcache as for CUDA tensors on an H200 (the compiled kvcache module,
     launches recorded): block table, indptr tables, split-KV + combine, append with rotary.
-    float8 caches pass their descales by keyword: keyed, but left to the JIT."""
+    float8 caches too, their descales (absent, per tensor, per (batch, KV head)) among the
+    kernel's tensors."""
     import fmha
     from fmha import kvcache as api_kvcache
     from fmha.kernels import kvcache as kernels
@@ -143,13 +144,15 @@ def test_every_decode_launch_has_a_key_and_the_16_bit_ones_are_cached(monkeypatc
                                 rotary_cos=cos, rotary_sin=sin)
     fp8 = pool.to(torch.float8_e4m3fn)
     fmha.attention_with_kvcache(q, fp8, fp8, block_table=table, cache_seqlens=lens, num_splits=1)
+    fmha.attention_with_kvcache(q, fp8, fp8, block_table=table, cache_seqlens=lens, k_descale=torch.tensor(0.5),
+                                v_descale=torch.rand(b, hk) + 0.5)
     names = [kernel.fn.__name__ for kernel, *_ in seen]
     assert {"splitkv_kernel", "combine_kernel", "rotary_append_kernel"} <= set(names), names
     for kernel, _grid, args, kwargs in seen:
         hash((tuple(map(launch_cache._key_of, args)), tuple(kwargs.items())))
         assert set(kernel.arg_names[len(args):]) <= kwargs.keys(), kernel.fn.__name__
     plain = [all(type(x) in launch_cache._PLAIN for x in kwargs.values()) for *_, kwargs in seen]
-    assert plain == [True] * (len(seen) - 1) + [False]  # only the float8 cache's launch is not cached
+    assert plain == [True] * len(seen)
 
 
 @pytest.mark.parametrize("warp_specialized", [False, True])
@@ -694,45 +697,55 @@ def _decode_h200_path(monkeypatch):
 _DECODE_B, _DECODE_HQ, _DECODE_HK, _DECODE_D, _DECODE_PAGE, _DECODE_S = 4, 8, 2, 64, 16, 4096
 
 
-def _decode_inputs(tables: str, cache_dtype=torch.bfloat16) -> dict:
+def _decode_inputs(tables: str, cache_dtype=torch.bfloat16, descales: str = "none") -> dict:
     """A decode step's arguments at a size where num_splits=0 picks several splits on the H200
     path: new tensors of the same metadata on each call (pools expanded from one page: no kernel
-    reads them)."""
+    reads them). descales (float8 caches): "none", "tensor" (one value each, k's 0-d and v's
+    (1,)) or "head" (per (batch, KV head))."""
     b, hq, hk, d, page, s = _DECODE_B, _DECODE_HQ, _DECODE_HK, _DECODE_D, _DECODE_PAGE, _DECODE_S
     n = b * s // page
     q = torch.randn(b, 1, hq, d).to(torch.bfloat16)
     lengths = torch.randint(1, s + 1, (b,), dtype=torch.int32)
+    scales = {"none": {}, "tensor": dict(k_descale=torch.rand(()) + 0.5, v_descale=torch.rand(1) + 0.5),
+              "head": dict(k_descale=torch.rand(b, hk) + 0.5, v_descale=torch.rand(b, hk) + 0.5)}[descales]
     if tables == "contiguous":
         cache = torch.empty(1, s, hk, d, dtype=cache_dtype).expand(b, s, hk, d)
-        return dict(q=q, k_cache=cache, v_cache=cache.clone(), cache_seqlens=lengths)
+        return dict(q=q, k_cache=cache, v_cache=cache.clone(), cache_seqlens=lengths, **scales)
     pool = torch.empty(1, page, hk, d, dtype=cache_dtype).expand(n, page, hk, d)
     table = torch.randperm(n).int().reshape(b, s // page)
     if tables == "block_table":
-        return dict(q=q, k_cache=pool, v_cache=pool, block_table=table, cache_seqlens=lengths)
+        return dict(q=q, k_cache=pool, v_cache=pool, block_table=table, cache_seqlens=lengths, **scales)
     return dict(q=q, k_cache=pool, v_cache=pool, kv_indices=table.reshape(-1).contiguous(),
                 kv_indptr=torch.arange(0, n + 1, s // page, dtype=torch.int32),
-                kv_last_page_len=torch.randint(1, page + 1, (b,), dtype=torch.int32))
+                kv_last_page_len=torch.randint(1, page + 1, (b,), dtype=torch.int32), **scales)
 
 
+_CACHES = {"bf16": (torch.bfloat16, "none"), "fp8": (torch.float8_e4m3fn, "none"),
+           "fp8 per tensor": (torch.float8_e4m3fn, "tensor"), "fp8 per head": (torch.float8_e4m3fn, "head")}
+
+
+@pytest.mark.parametrize("cache", list(_CACHES))
 @pytest.mark.parametrize("tables", ["contiguous", "block_table", "indptr"])
 @pytest.mark.parametrize("num_splits", [0, 1, 4])
-def test_decode_call_plans_launch_what_the_full_path_launches(monkeypatch, tables, num_splits):
+def test_decode_call_plans_launch_what_the_full_path_launches(monkeypatch, tables, num_splits, cache):
     """On the H200 path: a plain decode call repeated with new inputs of the same metadata takes
     its call plan (no validation, description or dispatch) and launches the kernels, grids and
     arguments the full path launches for those inputs (after clear_plans): the inputs
-    themselves, outputs alike, into the o and lse it returns."""
+    themselves, outputs alike, into the o and lse it returns. float8 caches too, with their
+    descales absent, per tensor or per (batch, KV head)."""
     import fmha
     from fmha import kvcache as api_kvcache
 
     runs, full_path = _decode_h200_path(monkeypatch)
+    cache_dtype, descales = _CACHES[cache]
 
     def call(args):
         del runs[:]
         o, lse = fmha.attention_with_kvcache(**args, num_splits=num_splits, causal=True, return_lse=True)
         return o, lse, list(runs)
 
-    call(_decode_inputs(tables))
-    second = _decode_inputs(tables)
+    call(_decode_inputs(tables, cache_dtype, descales))
+    second = _decode_inputs(tables, cache_dtype, descales)
     planned = call(second)
     assert len(full_path) == 1 and len(api_kvcache._DECODE_CALL_PLANS) == 1
     launch_cache.clear_plans()
@@ -777,8 +790,8 @@ def test_a_decode_call_plan_never_serves_a_call_the_full_path_refuses(monkeypatc
 
 
 def test_decode_calls_with_features_or_value_checks_take_no_call_plan(monkeypatch):
-    """ALiBi, sinks, appended k/v (with RoPE or not), a float8 cache, a cache batch index, an
-    int cache_seqlens: the full path every time. So too where the full path checks index values
+    """ALiBi, sinks, appended k/v (with RoPE or not), a cache batch index, an int cache_seqlens:
+    the full path every time. So too where the full path checks index values
     on the host (CPU tensors, debug mode): a plan made without those checks never serves such a
     call, which still refuses a bad value."""
     import fmha
@@ -796,7 +809,6 @@ def test_decode_calls_with_features_or_value_checks_take_no_call_plan(monkeypatc
         dict(args, sinks=torch.randn(hq)),
         dict(appended, k=new, v=new),
         dict(appended, k=new, v=new, rotary_cos=cos, rotary_sin=sin),
-        dict(_decode_inputs("block_table", cache_dtype=torch.float8_e4m3fn), num_splits=1),
         dict(contiguous, cache_batch_idx=torch.arange(b, dtype=torch.int32)),
         dict(contiguous, cache_seqlens=100),
     ]
@@ -811,6 +823,26 @@ def test_decode_calls_with_features_or_value_checks_take_no_call_plan(monkeypatc
     fmha.attention_with_kvcache(**args)
     with pytest.raises(ValueError, match="capacity"):
         fmha.attention_with_kvcache(**dict(args, cache_seqlens=args["cache_seqlens"] + _DECODE_S))
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(k_descale=0.5), TypeError),  # a float, not a tensor
+    (dict(v_descale=torch.ones(_DECODE_B, _DECODE_HK, dtype=torch.float64)), TypeError),
+    (dict(k_descale=torch.ones(_DECODE_HK, _DECODE_B)), ValueError),  # (Hk, B): not (B, Hk)
+])
+def test_a_float8_decode_call_plan_never_serves_bad_descales(monkeypatch, bad, error):
+    """A float8 cache's call plan (its key: the descales' metadata) and descales the full path
+    refuses: refused all the same."""
+    import fmha
+    from fmha import kvcache as api_kvcache
+
+    _decode_h200_path(monkeypatch)
+    args = _decode_inputs("block_table", torch.float8_e4m3fn, "head")
+    for _ in range(2):
+        fmha.attention_with_kvcache(**args)
+    assert len(api_kvcache._DECODE_CALL_PLANS) == 1
+    with pytest.raises(error):
+        fmha.attention_with_kvcache(**{**args, **bad})
 
 
 def test_decode_call_plans_follow_the_dispatcher(monkeypatch):

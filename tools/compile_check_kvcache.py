@@ -69,8 +69,8 @@ def splitkv_jobs():
                                   **dict.fromkeys(FEATURES, features))
                 out = "fp32" if split else dt
                 pointers = {"Q": dt, "K": dt, "V": dt, "O": out, "LSE": "fp32", "Alibi": "fp32", "Sinks": "fp32",
-                            **dict.fromkeys(("BlockTable", "KvIndptr", "CacheBatchIdx", "SeqlensK", "CuSeqlensQ"),
-                                            "i32")}
+                            **dict.fromkeys(("BlockTable", "KvIndptr", "CacheBatchIdx", "SeqlensK", "CuSeqlensQ",
+                                             "KDescale", "VDescale"), "i32")}
                 label = f"splitkv {dt} m{bm} n{bn} w{w} s{s} d{d} {mode} varlen={varlen} features={features}"
                 yield label, kvcache.splitkv_kernel, pointers, {"scale", "softcap"}, constexprs, w, s
 

@@ -802,11 +802,14 @@ def _decode_command(args: argparse.Namespace, console: Any) -> int:
                   f"{args.rounds} rounds" + (" (flex has no decode contender)" if "flex" in args.contenders else ""))
     results = bench_decode.run_decode_suite(
         shapes, contenders, args.rounds,
-        timer=lambda fn: do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median"))
+        timer=lambda fn: do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median"),
+        host_timer=lambda fn: host_ms_per_call(fn, calls=10))
     console.print(bench_decode.render_decode_table(results, contenders))
     for r in results:
         if not r["ok"]:
             console.print(f"n/a: {r['contender']} {r['shape']}: {r['error']}")
+    for line in host_bound_rows(results):
+        console.print(line)
     summary_data = bench_decode.decode_summary(results)
     console.print(f"geomean cuDNN time / fmha time: {summary_data['geomean_cudnn_over_fmha']}")
     if args.json:

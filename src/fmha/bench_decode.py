@@ -119,12 +119,16 @@ def _call(name: str, fmha_args: dict, sdpa_args: tuple) -> Callable[[], torch.Te
 
 def run_decode_suite(shapes: Sequence[DecodeShape], contenders: Sequence[str] = DECODE_CONTENDERS,
                      rounds: int = 3, *, timer: Callable[[Callable[[], Any]], float],
-                     device: str | torch.device = "cuda") -> list[dict]:
+                     device: str | torch.device = "cuda",
+                     host_timer: Callable[[Callable[[], Any]], float] | None = None) -> list[dict]:
     """Time every contender on every shape, alternating within each round; one dict per
-    (shape, contender): the shape's fields and label, "contender", "ok", "error", "time_ms"
-    (median over rounds), "times_ms", "kv_bytes", "tb_per_s", "max_abs_diff" (against cuDNN's
-    output if it ran, else the first contender's) and "diff_against". `timer(fn)` gives one
-    round's milliseconds (`triton.testing.do_bench` on the GPU)."""
+    (shape, contender): the shape's fields and label, "mode" ("decode"), "contender", "ok",
+    "error", "time_ms" (median over rounds), "times_ms", "kv_bytes", "tb_per_s", "max_abs_diff"
+    (against cuDNN's output if it ran, else the first contender's), "diff_against" and "host_ms"
+    (median of `host_timer(fn)` after each round, the host time a call; None without one).
+    `timer(fn)` gives one round's milliseconds (`triton.testing.do_bench` on the GPU);
+    `host_timer`: `bench.host_ms_per_call` there, so that `bench.host_bound_rows` can tell
+    which rows measured the host path rather than the kernels."""
     rows = []
     for shape in shapes:
         fmha_args, sdpa_args = _inputs(shape, device)
@@ -137,20 +141,24 @@ def run_decode_suite(shapes: Sequence[DecodeShape], contenders: Sequence[str] = 
                 errors[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
                 calls.pop(name, None)
         times: dict[str, list[float]] = {name: [] for name in calls}
+        hosts: dict[str, list[float]] = {name: [] for name in calls}
         for round_ in range(rounds):
             names = list(calls)
             for name in names[round_ % max(len(names), 1):] + names[:round_ % max(len(names), 1)]:
                 times[name].append(timer(calls[name]))
+                if host_timer is not None:
+                    hosts[name].append(host_timer(calls[name]))
         ref = "cudnn" if "cudnn" in outs else next(iter(outs), None)
         for name in contenders:
             ok = name in times and bool(times[name])
             t = statistics.median(times[name]) if ok else None
             diff = float((outs[name].float() - outs[ref].float()).abs().max()) if ok and ref is not None else None
-            rows.append({"shape": shape.label, **asdict(shape), "contender": name, "ok": ok,
+            rows.append({"shape": shape.label, **asdict(shape), "mode": "decode", "contender": name, "ok": ok,
                          "error": errors.get(name), "time_ms": t, "times_ms": times.get(name, []),
                          "kv_bytes": shape.kv_bytes(name),
                          "tb_per_s": shape.kv_bytes(name) / (t * 1e-3) / 1e12 if ok and t > 0 else None,
-                         "max_abs_diff": diff, "diff_against": ref if diff is not None else None})
+                         "max_abs_diff": diff, "diff_against": ref if diff is not None else None,
+                         "host_ms": statistics.median(hosts[name]) if ok and hosts[name] else None})
         del fmha_args, sdpa_args, calls, outs
     return rows
 

@@ -162,7 +162,7 @@ FAMILY_KERNELS: dict[Family, KernelSpec] = {
         pointers={**dict.fromkeys(("Q", "K", "V", "O"), IO), "LSE": "fp32",
                   # absent optional tensors: the launcher passes seqlens_k (int32)
                   **dict.fromkeys(("Alibi", "Sinks", "BlockTable", "KvIndptr", "CacheBatchIdx", "SeqlensK",
-                                   "CuSeqlensQ"), "i32")},
+                                   "CuSeqlensQ", "KDescale", "VDescale"), "i32")},
         floats=frozenset({"scale", "softcap"}),
         flags=("PAGED", "TABLE_INDPTR", "PAGE_PER_TILE", "HAS_CACHE_BATCH_IDX", "IS_VARLEN",
                "ALIGN_BOTTOM_RIGHT", "HAS_LEFT", "HAS_RIGHT", "HAS_SINK_TOKENS", "HAS_SOFTCAP", "HAS_ALIBI",

@@ -147,13 +147,13 @@ def _dequantized(x, dtype: tl.constexpr, FP8_ASM: tl.constexpr, AT_DOT: tl.const
 
 @triton.jit(do_not_specialize=["window_left", "window_right", "sink_size"])
 def splitkv_kernel(
-    Q, K, V, O, LSE, Alibi, Sinks, BlockTable, KvIndptr, CacheBatchIdx, SeqlensK, CuSeqlensQ,
+    Q, K, V, O, LSE, Alibi, Sinks, BlockTable, KvIndptr, CacheBatchIdx, SeqlensK, CuSeqlensQ, KDescale, VDescale,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh, stride_os,
     stride_lb, stride_lh, stride_lm, stride_ls,
-    stride_btb, page_size, stride_alibib, stride_alibih,
+    stride_btb, page_size, stride_alibib, stride_alibih, stride_kdb, stride_kdh, stride_vdb, stride_vdh,
     batch, nheads_q, group_size, seqlen_q, head_dim_qk, head_dim_v, num_splits,
     scale, softcap, window_left, window_right, sink_size,
     PAGED: tl.constexpr, TABLE_INDPTR: tl.constexpr, PAGE_PER_TILE: tl.constexpr, PAGE_SHIFT: tl.constexpr,
@@ -163,7 +163,6 @@ def splitkv_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    KDescale=None, VDescale=None, stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0,
     KV_FP8: tl.constexpr = False, FP8_ASM: tl.constexpr = False, FP8_K_AT_DOT: tl.constexpr = False,
 ):
     # KV_FP8: float8 caches, dequantized on load to q's dtype (exact); the k descale of
@@ -469,28 +468,33 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
     `launch_combine` reads them.
 
     Returns the launch plan this call ran or made (the plain decode; None otherwise):
-    `Planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr)` repeats it,
-    lengths being seqlens_k, or kv_last_page_len with kv_indptr.
+    `Planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale)`
+    repeats it, lengths being seqlens_k, or kv_last_page_len with kv_indptr (the descales: as
+    given here, views of the same shapes and strides, or None).
     """
     varlen = cu_seqlens_q is not None
     # the kernel's SeqlensK: the key counts, or kv_last_page_len with indptr tables
     lengths = kv_last_page_len if kv_indptr is not None else seqlens_k
     if lengths is None:
         raise ValueError("launch_attention needs seqlens_k, or kv_last_page_len with kv_indptr")
-    key = None  # a plan (launch_cache) for the plain decode: no ALiBi, sinks, batch index, varlen or fp8
+    key = None  # a plan (launch_cache) for the plain decode: no ALiBi, sinks, batch index or varlen
     if (alibi_slopes is None and sinks is None and cache_batch_idx is None and not varlen
-            and k_cache.element_size() > 1 and launch_cache.plans_enabled(splitkv_kernel)):
+            and launch_cache.plans_enabled(splitkv_kernel)):
         tables = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) if t is not None else None
                        for t in (block_table, kv_indptr))
+        # float8 caches: the descales' shapes and strides (their strides are the kernel's), and
+        # the conversion's switches (module constants a test may change)
+        fp8 = (tuple((d.shape, d.stride(), d.dtype) if d is not None else None for d in (k_descale, v_descale)),
+               FP8_ASM, FP8_K_AT_DOT) if k_cache.element_size() == 1 else None
         key = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), o.shape,
                o.stride(), lse.shape, lse.stride(), q.dtype, k_cache.dtype, v_cache.dtype, o.dtype, lse.dtype,
                lengths.dtype, q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0,
-               o.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, lengths.data_ptr() % 16 == 0, tables,
+               o.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, lengths.data_ptr() % 16 == 0, tables, fp8,
                launch_cache.current_device(), num_splits, scale, softcap, window, sink_size, align_bottom_right,
                block_m, block_n, num_warps, num_stages, dot_precision)
         planned = _ATTENTION_PLANS.get(key)
         if planned is not None:
-            planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr)
+            planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale)
             return planned
     if varlen:
         batch, seqlen_q = cu_seqlens_q.numel() - 1, max_seqlen_q
@@ -519,11 +523,12 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             *o_strides, *lse_strides,
             paging.pop("stride_btb"), paging.pop("page_size"), *alibi_strides(alibi_slopes),
+            *_descale_strides(k_cache, k_descale), *_descale_strides(k_cache, v_descale),
             batch, nheads_q, nheads_q // nheads_k, seqlen_q, head_dim_qk, head_dim_v, num_splits,
             scale, softcap, left, right, sink_size)
     plan = launch_cache.make_plan(splitkv_kernel, grid,
         *_attention_tensors(q, k_cache, v_cache, o, lse, lengths, alibi_slopes, sinks, block_table, kv_indptr,
-                            cache_batch_idx, cu_seqlens_q),
+                            cache_batch_idx, cu_seqlens_q, k_descale, v_descale),
         *tail,
         **paging, OFFSETS_32=_offsets_fit_int32(k_cache, v_cache),
         KV_SAME_STRIDES=_same_strides(k_cache, v_cache),
@@ -532,47 +537,62 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
         HAS_SINK_TOKENS=sink_size > 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
         HAS_SINKS=sinks is not None, SPLIT=split, DOT_PRECISION=dot_precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=padded_dim(head_dim_qk), BLOCK_DV=padded_dim(head_dim_v),
-        num_warps=num_warps, num_stages=num_stages, **_fp8_args(k_cache, k_descale, v_descale),
+        num_warps=num_warps, num_stages=num_stages, **_fp8_flags(k_cache),
     )
     return launch_cache.keep(_ATTENTION_PLANS, key, plan, splitkv_kernel, tail, _plain_attention_tensors)
 
 
 def _attention_tensors(q, k_cache, v_cache, o, lse, lengths, alibi_slopes, sinks, block_table, kv_indptr,
-                       cache_batch_idx, cu_seqlens_q) -> tuple:
-    """splitkv_kernel's leading (tensor) arguments; `lengths` stands in for the absent ones."""
+                       cache_batch_idx, cu_seqlens_q, k_descale=None, v_descale=None) -> tuple:
+    """splitkv_kernel's leading (tensor) arguments; `lengths` stands in for the absent ones (a
+    float8 cache's absent descale is 1: `_unit_descale`)."""
     def given(t):
         return t if t is not None else lengths
 
+    if k_cache.element_size() == 1:
+        k_descale, v_descale = (d if d is not None else _unit_descale(k_cache.device) for d in (k_descale, v_descale))
     return (q, k_cache, v_cache, o, lse, given(alibi_slopes), given(sinks), given(block_table), given(kv_indptr),
-            given(cache_batch_idx), lengths, given(cu_seqlens_q))
+            given(cache_batch_idx), lengths, given(cu_seqlens_q), given(k_descale), given(v_descale))
 
 
-def _plain_attention_tensors(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr) -> tuple:
+def _plain_attention_tensors(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale=None,
+                             v_descale=None) -> tuple:
     """`_attention_tensors` of the plain decode (no ALiBi, sinks, batch index or varlen queries)."""
-    return _attention_tensors(q, k_cache, v_cache, o, lse, lengths, None, None, block_table, kv_indptr, None, None)
+    return _attention_tensors(q, k_cache, v_cache, o, lse, lengths, None, None, block_table, kv_indptr, None, None,
+                              k_descale, v_descale)
 
 
 _ATTENTION_PLANS = launch_cache.plan_table()
 _COMBINE_PLANS = launch_cache.plan_table()
 
 
-def _fp8_args(k_cache, k_descale, v_descale) -> dict:
-    """Kernel arguments of a float8 cache (the defaults for 16/32-bit caches, given explicitly
-    so that launch_cache keeps the launch)."""
-    if k_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return dict(KDescale=None, VDescale=None, stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0,
-                    KV_FP8=False, FP8_ASM=False, FP8_K_AT_DOT=False)
-    one = torch.ones((1, 1), dtype=torch.float32, device=k_cache.device)
-    kd = k_descale if k_descale is not None else one
-    vd = v_descale if v_descale is not None else one
+def _fp8_flags(k_cache) -> dict:
+    """The float8 constexprs of splitkv_kernel (given explicitly, so that launch_cache keeps the
+    launch; the interpreter runs no PTX: CPU tensors take Triton's conversion)."""
+    fp8 = k_cache.element_size() == 1
+    return dict(KV_FP8=fp8, FP8_ASM=fp8 and FP8_ASM and k_cache.is_cuda, FP8_K_AT_DOT=fp8 and FP8_K_AT_DOT)
 
-    def strides(d):
-        return tuple(st if n > 1 else 0 for st, n in zip(d.stride(), d.shape, strict=True))
 
-    (kdb, kdh), (vdb, vdh) = strides(kd), strides(vd)
-    # (the interpreter runs no PTX: CPU tensors take Triton's conversion)
-    return dict(KDescale=kd, VDescale=vd, stride_kdb=kdb, stride_kdh=kdh, stride_vdb=vdb, stride_vdh=vdh,
-                KV_FP8=True, FP8_ASM=FP8_ASM and k_cache.is_cuda, FP8_K_AT_DOT=FP8_K_AT_DOT)
+def _descale_strides(k_cache, descale) -> tuple[int, int]:
+    """(batch, head) strides of a float8 cache's (B or 1, Hk or 1) descale view, 0 where it
+    broadcasts (absent: one value, 1); (0, 0) for 16/32-bit caches."""
+    if k_cache.element_size() != 1 or descale is None:
+        return (0, 0)
+    return tuple(st if n > 1 else 0 for st, n in zip(descale.stride(), descale.shape, strict=True))
+
+
+_UNIT_DESCALES: dict = {}
+
+
+def _unit_descale(device) -> torch.Tensor:
+    """A (1, 1) fp32 one on `device`: an absent descale. Kept per device, except while a CUDA
+    graph is being captured (a tensor allocated then belongs to the graph's memory pool)."""
+    one = _UNIT_DESCALES.get(device)
+    if one is None:
+        one = torch.ones((1, 1), dtype=torch.float32, device=device)
+        if not (one.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _UNIT_DESCALES[device] = one
+    return one
 
 
 def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sinks=None,
