@@ -194,6 +194,52 @@ def test_bench_custom_shape_flags(capsys):
     assert "unknown contender" in capsys.readouterr().err
 
 
+def test_features_suite_and_its_shapes():
+    """The features suite: sliding windows and packed documents, causal, bf16 D=128; the
+    shapes refuse what they cannot mean; FLOPs count the visible pairs (FlashAttention's
+    convention: half the diagonal), which the dense mask counts exactly."""
+    shapes = bench.features_suite()
+    assert [(s.window, s.docs, s.gqa) for s in shapes] == [(1024, 0, False), (4096, 0, False), (0, 8, False),
+                                                           (0, 8, True)]
+    assert all(s.causal and s.dtype == "bf16" and s.head_dim == 128 for s in shapes)
+    assert "window=1024" in shapes[0].label and "varlen docs=8" in shapes[2].label
+    assert bench.shapes_from_args(cli.build_parser().parse_args(["bench", "--suite", "features"])) == shapes
+    for kwargs, message in ((dict(window=8), "causal"), (dict(docs=2), "causal"),
+                            (dict(causal=True, window=8, docs=2), "not both"),
+                            (dict(causal=True, docs=2, batch=2), "batch=1"),
+                            (dict(causal=True, docs=40), "seqlen"), (dict(causal=True, window=-1), ">= 0")):
+        fields = {**dict(batch=1, nhead_q=2, nhead_k=2, seqlen=128, head_dim=16), **kwargs}
+        with pytest.raises(ValueError, match=message):
+            Shape(**fields)
+    assert bench.doc_lengths(100, 4) == [40, 10, 30, 20] and bench.doc_lengths(103, 5) == [29, 7, 22, 14, 31]
+    for shape in (Shape(1, 2, 2, 256, 16, causal=True, window=40), Shape(1, 2, 2, 256, 16, causal=True, docs=5),
+                  Shape(1, 2, 2, 256, 16, causal=True, window=400)):
+        visible = int(bench.dense_mask(shape, "cpu").sum())
+        convention = shape.flops("fwd") / (4 * 2 * 16)
+        assert visible - shape.seqlen / 2 == pytest.approx(convention), shape.label  # (the diagonal's half)
+        assert shape.flops("bwd") == 2.5 * shape.flops("fwd")
+
+
+@pytest.mark.parametrize("feature", [dict(window=24), dict(docs=3)])
+def test_fmha_feature_calls_agree_with_sdpa_under_the_dense_mask(feature):
+    """fmha's call of a feature shape (a window; documents through attention_varlen on packed
+    views of the bhsd tensors) computes SDPA's attention under the feature's dense mask,
+    forward and backward (through the interpreter)."""
+    shape = Shape(1, 4, 2, 80, 16, "fp32", True, **feature)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, h, 80, 16, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    out = bench._make_call("fmha", shape, device="cpu")(q, k, v)
+    mask = bench.dense_mask(shape, "cpu")
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    dout = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
 def test_geomean_is_scale_free():
     values = [0.5, 1.25, 3.0]
     assert bench.geomean(values) == pytest.approx(math.prod(values) ** (1 / 3))

@@ -38,7 +38,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fmha.kernels import fwd, fwd_gluon
 
-# (block_n, stages, pingpong[, block_m]) per head dim; the first is the registry's choice.
+# (block_n, stages, pingpong[, block_m]) per head dim; the first is the registry's choice (D=64: of the
+# one-tile kernel; the persistent one has 2 stages, attempt 61).
 GLUON_VARIANTS = {
     64: [(128, 3, False), (64, 3, False, 192), (64, 4, False, 192), (64, 3, True, 192),
          (64, 3, False), (64, 4, False)],  # m128 n64: less of a diagonal key tile masked (causal, short)

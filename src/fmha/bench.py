@@ -10,7 +10,9 @@ DESIGN.md "Performance protocol". Contenders, all in layout bhsd:
   `create_block_mask` when causal (compiled once per shape, outside the timing).
 
 Shapes are square (Sq = Sk), so SDPA's top-left `is_causal` and fmha's bottom-right
-causal mask agree. GQA shapes pass `enable_gqa=True` to SDPA and flex; when a backend
+causal mask agree. The "features" suite's shapes add a sliding window or packed documents
+(varlen): fmha takes `window` / `attention_varlen`, FlexAttention a block mask of the same rule,
+and SDPA's backends the dense (S, S) boolean mask (their only way to it; flash refuses masks). GQA shapes pass `enable_gqa=True` to SDPA and flex; when a backend
 refuses it, k/v are expanded to Hq heads outside the timing and the measurement says so.
 
 Method: for each shape, the inputs are built once (`torch.randn`), every contender is run
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import itertools
 import json
 import math
 import platform
@@ -97,7 +100,11 @@ def time_ms(fn: Callable[[], Any], *, device: str | torch.device, warmup: int = 
 
 @dataclass(frozen=True)
 class Shape:
-    """One benchmark problem: q (B, Hq, S, D), k and v (B, Hk, S, D), bhsd."""
+    """One benchmark problem: q (B, Hq, S, D), k and v (B, Hk, S, D), bhsd.
+
+    Features (the "features" suite; both need causal): `window` > 0, a sliding window, each
+    query sees its last `window` keys, itself included; `docs` > 0, varlen: the batch's one
+    sequence packs `docs` documents (`doc_lengths`), causal within each, none across."""
 
     batch: int
     nhead_q: int
@@ -106,11 +113,22 @@ class Shape:
     head_dim: int
     dtype: str = "bf16"  # a key of DTYPES
     causal: bool = False
+    window: int = 0
+    docs: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; accepted: {list(DTYPES)}")
         check_sizes(self, ("batch", "nhead_q", "nhead_k", "seqlen", "head_dim"))
+        if self.window < 0 or self.docs < 0:
+            raise ValueError(f"window={self.window} and docs={self.docs} must be >= 0")
+        if (self.window or self.docs) and not self.causal:
+            raise ValueError("window and docs are causal features: give causal=True with them")
+        if self.window and self.docs:
+            raise ValueError("a shape has either a window or docs, not both")
+        if self.docs and (self.batch != 1 or self.seqlen < DOC_WEIGHT_SUM * self.docs):
+            raise ValueError(f"docs={self.docs} needs batch=1 (got {self.batch}) and seqlen >= "
+                             f"{DOC_WEIGHT_SUM * self.docs} (got {self.seqlen})")
 
     @property
     def gqa(self) -> bool:
@@ -120,12 +138,39 @@ class Shape:
     def label(self) -> str:
         heads = f"Hq={self.nhead_q} Hk={self.nhead_k}" if self.gqa else f"H={self.nhead_q}"
         return (f"{self.dtype} B={self.batch} {heads} S={self.seqlen} D={self.head_dim}"
-                + (" causal" if self.causal else ""))
+                + (" causal" if self.causal else "") + (f" window={self.window}" if self.window else "")
+                + (f" varlen docs={self.docs}" if self.docs else ""))
 
     def flops(self, mode: str) -> float:
-        """FLOPs of one call in `mode` ("fwd" or "bwd"), FlashAttention convention."""
-        return flops(self.batch, self.nhead_q, self.seqlen, self.seqlen, self.head_dim,
-                     causal=self.causal, mode=mode)
+        """FLOPs of one call in `mode` ("fwd" or "bwd"), FlashAttention convention: a causal
+        square counts S * S / 2 pairs, the visible ones less half the diagonal; so too a window
+        of W (S * W - W * (W - 1) / 2 visible) and the documents (sum(L * L) / 2)."""
+        if not (self.window or self.docs):
+            return flops(self.batch, self.nhead_q, self.seqlen, self.seqlen, self.head_dim,
+                         causal=self.causal, mode=mode)
+        if self.window:
+            w = min(self.window, self.seqlen)
+            pairs = self.seqlen * w - w * (w - 1) / 2 - self.seqlen / 2
+        else:
+            pairs = sum(n * n for n in doc_lengths(self.seqlen, self.docs)) / 2
+        f = 4.0 * self.batch * self.nhead_q * pairs * self.head_dim
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not supported; accepted: {list(MODES)}")
+        return f * BWD_FLOP_FACTOR if mode == "bwd" else f
+
+
+# Document lengths of a varlen shape, in these proportions (cycled): long and short mixed.
+DOC_WEIGHTS: tuple[int, ...] = (4, 1, 3, 2)
+DOC_WEIGHT_SUM = sum(DOC_WEIGHTS)
+
+
+def doc_lengths(seqlen: int, docs: int) -> list[int]:
+    """`docs` document lengths summing to `seqlen`, in proportion to DOC_WEIGHTS cycled (the
+    last takes the rounding): every one at least 1 where seqlen >= DOC_WEIGHT_SUM * docs."""
+    weights = [DOC_WEIGHTS[i % len(DOC_WEIGHTS)] for i in range(docs)]
+    lengths = [seqlen * w // sum(weights) for w in weights]
+    lengths[-1] += seqlen - sum(lengths)
+    return lengths
 
 
 def check_sizes(shape: Any, names: Sequence[str]) -> None:
@@ -173,7 +218,18 @@ def quick_suite() -> list[Shape]:
     return [Shape(4, 16, 16, 4096, 128, "bf16", causal) for causal in (False, True)]
 
 
-SUITES: dict[str, Callable[[], list[Shape]]] = {"standard": standard_suite, "quick": quick_suite}
+def features_suite() -> list[Shape]:
+    """bf16, D=128, causal, with a feature SDPA's cuDNN and flash backends have no fast path
+    for (they take a dense boolean mask, or refuse it), FlexAttention a block mask: sliding
+    windows of 1024 and 4096 keys, and packed documents (varlen, MHA and GQA 32:8)."""
+    return [Shape(2, 16, 16, 8192, 128, "bf16", True, window=1024),
+            Shape(1, 16, 16, 16384, 128, "bf16", True, window=4096),
+            Shape(1, 16, 16, 16384, 128, "bf16", True, docs=8),
+            Shape(1, 32, 8, 16384, 128, "bf16", True, docs=8)]
+
+
+SUITES: dict[str, Callable[[], list[Shape]]] = {"standard": standard_suite, "quick": quick_suite,
+                                                "features": features_suite}
 
 
 # ----------------------------------------------------------------------------------------
@@ -206,38 +262,71 @@ def _flex() -> Callable:
     return _compiled_flex
 
 
-def _sdpa_call(backend_name: str, shape: Shape, gqa_native: bool) -> Callable:
+def _sdpa_call(backend_name: str, shape: Shape, gqa_native: bool, device: str = "cuda") -> Callable:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, backend_name)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     extra = {"enable_gqa": True} if shape.gqa and gqa_native else {}
+    if shape.window or shape.docs:  # SDPA's only way to a window or documents: a dense mask
+        extra["attn_mask"] = dense_mask(shape, device)
 
     def call(q, k, v):
         with sdpa_kernel(backend):
-            return sdpa(q, k, v, is_causal=shape.causal, **extra)
+            return sdpa(q, k, v, is_causal=shape.causal and "attn_mask" not in extra, **extra)
 
     return call
 
 
-def _make_call(name: str, shape: Shape, gqa_native: bool = True) -> Callable:
+def _mask_mod(shape: Shape, device: str | torch.device) -> Callable:
+    """The feature's visibility rule, mask(b, h, i, j) -> bool tensor, as FlexAttention's
+    mask_mod (and, over index grids, `dense_mask`)."""
+    if shape.window:
+        window = shape.window
+        return lambda b, h, i, j: (i >= j) & (i - j < window)
+    if shape.docs:
+        lengths = torch.tensor(doc_lengths(shape.seqlen, shape.docs), device=device)
+        doc = torch.repeat_interleave(torch.arange(shape.docs, device=device), lengths)
+        return lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j)
+    return lambda b, h, i, j: i >= j
+
+
+def dense_mask(shape: Shape, device: str | torch.device = "cuda") -> torch.Tensor:
+    """The (S, S) boolean mask of a causal shape's visible pairs (True: attended)."""
+    idx = torch.arange(shape.seqlen, device=device)
+    return _mask_mod(shape, device)(None, None, idx[:, None], idx[None, :])
+
+
+def _make_call(name: str, shape: Shape, gqa_native: bool = True, device: str = "cuda") -> Callable:
     """f(q, k, v) -> out for contender `name` (q (B, Hq, S, D), k/v (B, Hk or Hq, S, D))."""
     if name == "fmha":
-        from .api import attention
+        from .api import attention, attention_varlen
 
+        if shape.docs:  # the batch's one sequence as packed (total, H, D) views of bhsd tensors
+            lengths = doc_lengths(shape.seqlen, shape.docs)
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+            longest = max(lengths)
+
+            def packed(q, k, v):
+                o = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
+                                     longest, longest, causal=True)
+                return o.transpose(0, 1)[None]
+            return packed
+        if shape.window:  # the last `window` keys, the query's own included
+            return lambda q, k, v: attention(q, k, v, window=(shape.window - 1, 0))
         return lambda q, k, v: attention(q, k, v, causal=shape.causal)
     if name == "cudnn":
-        return _sdpa_call("CUDNN_ATTENTION", shape, gqa_native)
+        return _sdpa_call("CUDNN_ATTENTION", shape, gqa_native, device)
     if name == "flash":
-        return _sdpa_call("FLASH_ATTENTION", shape, gqa_native)
+        return _sdpa_call("FLASH_ATTENTION", shape, gqa_native, device)
     if name == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
         flex = _flex()
         mask = None
         if shape.causal:
-            mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, shape.seqlen, shape.seqlen,
-                                     device="cuda")
+            mask = create_block_mask(_mask_mod(shape, device), None, None, shape.seqlen, shape.seqlen,
+                                     device=device)
         extra = {"enable_gqa": True} if shape.gqa and gqa_native else {}
         return lambda q, k, v: flex(q, k, v, block_mask=mask, **extra)
     raise ValueError(f"contender {name!r} is not known; accepted: {list(CONTENDERS)}")
@@ -646,7 +735,8 @@ def _contender_list(text: str) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `fmha bench`."""
     p.add_argument("--suite", choices=sorted(SUITES), default=None,
-                   help="standard (60 shapes) or quick (2); default standard unless shape flags are given")
+                   help="standard (60 shapes), quick (2) or features (4: sliding windows and varlen documents, "
+                        "causal); default standard unless shape flags are given")
     g = p.add_argument_group("custom shape (instead of --suite)")
     g.add_argument("-b", "--batch", type=int, default=None, help="batch (default 4)")
     g.add_argument("--nhead-q", type=int, default=None, help="query heads (default 16)")
@@ -760,7 +850,8 @@ def command(args: argparse.Namespace, console: Any) -> int:
                 "suite": args.suite, "shard": args.shard, "shapes": len(shapes),
                 "do_bench_return_mode": "median",
                 "bwd_method": "autograd.grad on a retained graph (fallback: fwd+bwd minus fwd)",
-                "flops": "fwd 4*B*Hq*S*S*D (causal /2), bwd 2.5x fwd"}
+                "flops": "fwd 4*B*Hq*S*S*D (causal /2; windows and documents: their visible pairs "
+                         "less half the diagonal), bwd 2.5x fwd"}
     console.print(f"fmha bench on {env['gpu']} ({env['capability']}), torch {env['torch']}, "
                   f"triton {env['triton']}, cuDNN {env['cudnn']}: {len(shapes)} shapes, modes {modes}, "
                   f"contenders {args.contenders}, {args.rounds} rounds")
