@@ -41,7 +41,8 @@ def test_sm90_half_precision_problems_get_the_gluon_kernel(head_dim, causal, ali
 
 
 @pytest.mark.parametrize("change,reason", [
-    (dict(window=(128, 0)), "only causal masks"),
+    (dict(window=(128, 64)), "only causal masks"),
+    (dict(window=(-1, 64)), "only causal masks"),
     (dict(tma_aligned=False), "16-byte aligned"),
     (dict(head_dim_qk=96, head_dim_v=96), "one of [128]"),
     (dict(head_dim_v=64), "are not equal"),
@@ -58,6 +59,22 @@ def test_other_problems_fall_back_to_triton_and_explain_says_why(change, reason)
     assert config.algorithm.pipeline == Pipeline.TRITON
     gluon_line = _explain_line(problem, Family.FWD, "d128-128_sm90_gluon")
     assert "refused" in gluon_line and reason in gluon_line, gluon_line
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("window", [(0, 0), (127, 0), (1000, 0)])
+def test_sliding_windows_left_of_the_diagonal_get_the_one_tile_gluon_forward(head_dim, window):
+    """A window (left, 0) runs on the one-tile Gluon forward (HAS_LEFT); the persistent config
+    refuses it and explain says so; the backward stays on a kernel that takes windows."""
+    problem = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, window=window)
+    config = _fwd_config(problem)
+    assert config.algorithm.pipeline.is_gluon and not config.algorithm.persistent
+    assert config.signature.left_window
+    persistent = next(line for line in Dispatcher(default_registry()).explain(problem, Family.FWD).splitlines()
+                      if f"d{head_dim}-{head_dim}_sm90_gluon" in line and "persistent" in line)
+    assert "refused" in persistent and "no sliding window" in persistent, persistent
+    backward = Dispatcher(default_registry()).plan_backward(problem).config(Family.BWD_DQ_DK_DV)
+    assert not backward.signature.refusals(problem)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -55,6 +55,33 @@ def test_gluon_forward(rng, dtype, head_dim, mask, shape):
     check_attention(q, k, v, truth="torch64", **kw)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("left", [0, 100, 1000])
+@pytest.mark.parametrize("align", ["bottom_right", "top_left"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[3]], ids=lambda s: "x".join(map(str, s)))
+def test_gluon_forward_sliding_window(rng, head_dim, left, align, shape):
+    """Windows (left, 0) on the one-tile Gluon forward (HAS_LEFT): only the diagonal key (0),
+    a window inside a key tile's span (100) and over several tiles (1000), both alignments,
+    rows with no key (Sq > Sk, top-left) and keys past the last row (Sk > Sq)."""
+    q, k, v, _ = _masked_problem(rng, torch.bfloat16, head_dim, "none", shape)
+    kw = dict(window=(left, 0), mask_align=align)
+    assert _uses_gluon(q, k, v, **kw), fmha.explain(q, k, v, **kw)
+    check_attention(q, k, v, truth="torch64", **kw)
+
+
+@pytest.mark.parametrize("left", [0, 700])
+def test_gluon_sliding_window_fp16_gqa_bshd_and_backward(rng, left):
+    """A window in fp16, bshd, GQA, at a realistic size, then its backward (a Triton kernel that
+    takes windows) from the Gluon forward's o and LSE."""
+    from attn_testing import check_backward
+
+    q, k, v = make_qkv(rng, dtype=torch.float16, layout="bshd", device=CUDA, batch=2, nhead_q=16,
+                       nhead_k=4, seqlen_q=3000, seqlen_k=3000, head_dim=128)
+    assert _uses_gluon(q, k, v, layout="bshd", window=(left, 0))
+    check_attention(q, k, v, layout="bshd", window=(left, 0), truth="torch64")
+    check_backward(q[:, :1000], k[:, :1000], v[:, :1000], layout="bshd", window=(left, 0), truth="torch64")
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_gluon_bshd_and_realistic(rng, causal):
     q, k, v = make_qkv(rng, dtype=torch.bfloat16, layout="bshd", device=CUDA, batch=2, nhead_q=16,

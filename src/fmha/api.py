@@ -286,7 +286,7 @@ def _launch_forward(prep: _Prepared, config: KernelConfig, o_view: Tensor, lse: 
     with _device_guard(prep.q):
         if a.pipeline.is_gluon:  # the configs refuse per-block descales
             return family_module("fwd_gluon", interpreted=False).launch(
-                prep.q, prep.k, prep.v, o_view, lse, causal=p.window == (-1, 0),
+                prep.q, prep.k, prep.v, o_view, lse, causal=p.window[1] == 0, window_left=p.window[0],
                 align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT, scale=prep.scale,
                 block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages,
                 pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG, persistent=a.persistent,

@@ -80,6 +80,7 @@ class Signature:
     features: frozenset[Feature] = DENSE_FEATURES
     head_dims: tuple[int, ...] = ()  # if set: Dqk == Dv, one of these (fixed-size tiles)
     sliding_window: bool = True  # False: of the masks, causal only (either alignment)
+    left_window: bool = False  # with sliding_window False: also windows (left, 0), causal with a left edge
     needs_tma: bool = False  # TMA loads: 16-byte aligned strides, no empty batch or sequence
     fp8_block_descale: bool = True  # False: fp8 descales per tensor or per (batch, head) only
     # > 0: the default selection passes over this config for problems without a mask and more
@@ -107,8 +108,10 @@ class Signature:
                                    and problem.head_dim_qk in self.head_dims):
             reasons.append(f"head dims (qk {problem.head_dim_qk}, v {problem.head_dim_v}) are not "
                            f"equal and one of {list(self.head_dims)}")
-        if not self.sliding_window and problem.window not in ((-1, -1), (-1, 0)):
-            reasons.append(f"window {problem.window}: only causal masks, no sliding window")
+        if not self.sliding_window and problem.window not in ((-1, -1), (-1, 0)) \
+                and not (self.left_window and problem.window[0] >= 0 and problem.window[1] == 0):
+            reasons.append(f"window {problem.window}: only causal masks"
+                           + (" and windows (left, 0)" if self.left_window else ", no sliding window"))
         if self.needs_tma:
             if not problem.tma_aligned:
                 reasons.append("q/k/v strides or base pointers are not 16-byte aligned (TMA needs it)")

@@ -141,7 +141,7 @@ _GLUON_FEATURES = frozenset({Feature.MASK, Feature.GQA})
 
 def _gluon_config(family, head_dim, block_m, block_n, warps, stages, pipeline, notes,
                   features=_GLUON_FEATURES, dtypes=(DType.FP16, DType.BF16), persistent=False,
-                  max_unmasked_seqlen_k=0):
+                  max_unmasked_seqlen_k=0, left_window=False):
     """A Hopper Gluon config: fp16/bf16 (or fp8 e4m3 for the forward, with descales per tensor
     or per (batch, head)), one head dim (Dqk == Dv), causal or no mask, TMA.
     Forward (kernels/fwd_gluon.py): 128-row tiles, 4 warps in the config (the producer warp
@@ -150,8 +150,8 @@ def _gluon_config(family, head_dim, block_m, block_n, warps, stages, pipeline, n
     by TMA reduce-add or atomics (so not for deterministic problems)."""
     return KernelConfig(
         Signature(family, dtypes, ("sm90",), head_dim, head_dim, features,
-                  head_dims=(head_dim,), sliding_window=False, needs_tma=True, fp8_block_descale=False,
-                  max_unmasked_seqlen_k=max_unmasked_seqlen_k),
+                  head_dims=(head_dim,), sliding_window=False, left_window=left_window, needs_tma=True,
+                  fp8_block_descale=False, max_unmasked_seqlen_k=max_unmasked_seqlen_k),
         Algorithm(block_m, block_n, warps, stages, pipeline=pipeline, persistent=persistent), notes=notes)
 
 
@@ -182,18 +182,21 @@ def default_registry() -> Registry:
     # lazy rescale (which the persistent ones at D 64/128 lose from) ran 1-4% faster (H200,
     # 2026-11-30, two runs of tools/bench_gluon.py --variants , --tau 8; attempt 37).
     long_unmasked = 4096
+    # The one-tile configs also take sliding windows (left, 0) (fwd_gluon's HAS_LEFT: the key tiles
+    # left of a row tile's windows are not loaded); the persistent ones refuse windows (their causal
+    # tile orders balance the causal triangle's row tiles, which a window makes equal).
     configs = [
         # (D=64 persistent at 2 stages: 1.004-1.013x of 3 over the persistent rows in two H200
         # runs, causal S 4096/8192 +1-2%, attempt 61; the one-tile kernel keeps 3: 2 lost 1-4%)
         _gluon_config(Family.FWD, 64, 128, 128, 4, 2, Pipeline.GLUON_WS, ws + ", persistent", fwd_features,
                       persistent=True, max_unmasked_seqlen_k=long_unmasked),
-        _gluon_config(Family.FWD, 64, 128, 128, 4, 3, Pipeline.GLUON_WS, ws, fwd_features),
+        _gluon_config(Family.FWD, 64, 128, 128, 4, 3, Pipeline.GLUON_WS, ws, fwd_features, left_window=True),
         _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong, persistent", fwd_features,
                       persistent=True, max_unmasked_seqlen_k=long_unmasked),
-        _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong", fwd_features),
+        _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong", fwd_features, left_window=True),
         _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong, persistent", fwd_features,
                       persistent=True),
-        _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong", fwd_features),
+        _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong", fwd_features, left_window=True),
     ]
     configs += _family_configs(Family.FWD, [
         (half, cuda, 64, 128, 64, 4, 3),

@@ -22,7 +22,8 @@ FlashAttention-3's structure, written with Gluon's Hopper primitives:
 
 Scope (the dispatcher checks it, see registry.py): fp16/bf16, Dqk == Dv in {64, 128, 256},
 bhsd or bshd views with 16-byte aligned strides (TMA), no mask or causal in either
-alignment, GQA/MQA, LSE. Everything else runs on the Triton kernel (fwd.py).
+alignment, and (one tile a program) sliding windows (left, 0) (`HAS_LEFT`), GQA/MQA, LSE.
+Everything else runs on the Triton kernel (fwd.py).
 Out-of-range rows and keys: TMA zero-fills loads and clips stores; keys past the end are
 masked to -inf in the last tile.
 """
@@ -119,22 +120,24 @@ def default_rescale_tau(head_dim: int, persistent: bool, fp8: bool) -> float:
 
 
 @gluon.jit
-def _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(b, h, hk, first row of the CTA tile, number of key tiles) of this program.
+def _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, window_left, CAUSAL: gl.constexpr,
+                 HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(b, h, hk, first row of the CTA tile, first key tile, number of key tiles) of this program.
 
     1-d grid, heads outermost; under causal the longest row tiles start first.
     """
     num_m = gl.cdiv(seqlen_q, BLOCK_M)
     pid = gl.program_id(0)
     return _coords(pid // num_m, num_m - 1 - pid % num_m, seqlen_q, seqlen_k, nheads_q, group, diag,
-                   CAUSAL, BLOCK_M, BLOCK_N)
+                   window_left, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
-def _coords(bh, pid_m, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(b, h, hk, first row, number of key tiles) of row tile `pid_m` of (batch, head) `bh`."""
+def _coords(bh, pid_m, seqlen_q, seqlen_k, nheads_q, group, diag, window_left, CAUSAL: gl.constexpr,
+            HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(b, h, hk, first row, first key tile, number of key tiles) of row tile `pid_m` of (batch,
+    head) `bh`. HAS_LEFT (a window (window_left, 0)): the key tiles left of every row's window
+    are skipped."""
     b = bh // nheads_q
     h = bh % nheads_q
     row0 = pid_m * BLOCK_M
@@ -142,9 +145,13 @@ def _coords(bh, pid_m, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.con
     if CAUSAL:
         last_row = gl.minimum(row0 + BLOCK_M, seqlen_q) - 1
         hi = gl.maximum(gl.minimum(hi, last_row + diag + 1), 0)
+    end = gl.cdiv(hi, BLOCK_N)
+    lo = 0
+    if HAS_LEFT:  # the first row's first visible key; a tile before `end` (rows with no key: masked)
+        lo = gl.minimum(gl.maximum(row0 + diag - window_left, 0) // BLOCK_N, gl.maximum(end - 1, 0))
     # At least one tile, so that every partition runs the same (possibly fully masked) loop.
-    n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
-    return b, h, h // group, row0, n_tiles
+    n_tiles = gl.maximum(end - lo, 1)
+    return b, h, h // group, row0, lo, n_tiles
 
 
 # Persistent schedule (PERSISTENT): program p of P runs the CTA tiles t(k) = k * P + slot(k),
@@ -197,8 +204,8 @@ def _pair_tile(t, num_bh, num_m):
 
 
 @gluon.jit
-def _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TILE_ORDER: gl.constexpr):
+def _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag, window_left, CAUSAL: gl.constexpr,
+             HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TILE_ORDER: gl.constexpr):
     """`_coords` of this program's k-th tile (k < _my_tile_count)."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -216,12 +223,13 @@ def _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL: gl.co
         else:
             bh = t // num_m
             pid_m = num_m - 1 - t % num_m
-    return _coords(bh, pid_m, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    return _coords(bh, pid_m, seqlen_q, seqlen_k, nheads_q, group, diag, window_left, CAUSAL, HAS_LEFT,
+                   BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
-def _softmax_update(s, m_i, l_i, rows, n0, seqlen_k, diag, qk_scale, row_lo,
-                    CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, BLOCK_N: gl.constexpr,
+def _softmax_update(s, m_i, l_i, rows, n0, seqlen_k, diag, window_left, qk_scale, row_lo,
+                    CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, BLOCK_N: gl.constexpr,
                     P_SHIFT: gl.constexpr, TAU: gl.constexpr = 0.0):
     """Online softmax on one raw S tile. m is kept in raw (unscaled) units so that
     p = exp2(s * scale - m * scale) is one FMA per element; that needs scale >= 0, so a
@@ -236,11 +244,15 @@ def _softmax_update(s, m_i, l_i, rows, n0, seqlen_k, diag, qk_scale, row_lo,
     need_mask = n0 + BLOCK_N > seqlen_k
     if CAUSAL:
         need_mask = need_mask | (n0 + BLOCK_N - 1 > row_lo + diag)
+    if HAS_LEFT:  # keys left of the last row's window edge
+        need_mask = need_mask | (n0 < row_lo + WG_ROWS - 1 + diag - window_left)
     if need_mask:
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         ok = cols[None, :] < seqlen_k
         if CAUSAL:
             ok = ok & (cols[None, :] <= rows[:, None] + diag)
+        if HAS_LEFT:
+            ok = ok & (cols[None, :] >= rows[:, None] + diag - window_left)
         s = gl.where(ok, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     if TAU > 0:
@@ -290,14 +302,15 @@ def _any_row(grew):
 
 
 @gluon.jit
-def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_free, rows, row_lo, n_tiles, it,
-            seqlen_k, diag, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr,
+def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_free, rows, row_lo, lo, n_tiles, it,
+            seqlen_k, diag, window_left, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr,
+            NEG_SCALE: gl.constexpr,
             PINGPONG: gl.constexpr, FP8: gl.constexpr, RELEASE_Q: gl.constexpr, RELEASE_V: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
             TAU: gl.constexpr):
-    """(O unnormalized, m, l) of one warpgroup's 64 query rows over key tiles 0 .. n_tiles - 1.
+    """(O unnormalized, m, l) of one warpgroup's 64 query rows over key tiles lo .. lo + n_tiles - 1.
 
-    Ring position g = it + j holds key tile j (`it`: ring uses before this CTA tile, 0 in the
+    Ring position g = it + j holds key tile lo + j (`it`: ring uses before this CTA tile, 0 in the
     one-tile grid). RELEASE_Q: arrive on q_free once Q is read by no later product; RELEASE_V
     (persistent): hand back the last V stage too, which the one-tile grid never reuses.
 
@@ -329,8 +342,8 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
         mbarrier.arrive(turn.index((WG + 1) % NUM_WG), count=1)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(first), count=1)
-    p, m_i, l_i, alpha, grew = _softmax_update(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale, row_lo,
-                                               CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT, TAU)
+    p, m_i, l_i, alpha, grew = _softmax_update(s, m_i, l_i, rows, lo * BLOCK_N, seqlen_k, diag, window_left,
+                                               qk_scale, row_lo, CAUSAL, HAS_LEFT, NEG_SCALE, BLOCK_N, P_SHIFT, TAU)
     if TAU > 0:
         rescale = gl.to_tensor(False)  # O is still zero
     for j in range(1, n_tiles):
@@ -355,8 +368,9 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
         # S(j) completes first (groups retire in order); its softmax overlaps P(j-1) V(j-1).
         s = warpgroup_mma_wait(1, deps=(s,))
         mbarrier.arrive(k_empty.index(stage), count=1)
-        p, m_i, l_i, alpha, grew = _softmax_update(s, m_i, l_i, rows, j * BLOCK_N, seqlen_k, diag, qk_scale,
-                                                   row_lo, CAUSAL, NEG_SCALE, BLOCK_N, P_SHIFT, TAU)
+        p, m_i, l_i, alpha, grew = _softmax_update(s, m_i, l_i, rows, (lo + j) * BLOCK_N, seqlen_k, diag,
+                                                   window_left, qk_scale, row_lo, CAUSAL, HAS_LEFT, NEG_SCALE,
+                                                   BLOCK_N, P_SHIFT, TAU)
         if TAU > 0:
             rescale = _any_row(grew)
         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -419,14 +433,15 @@ def _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, o_tile, o_desc, o
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
+def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr,
+              O_TMA: gl.constexpr,
               PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
               TAU: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem) = args
+     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem, window_left) = args
     s_layout: gl.constexpr = acc_layout(WG_ROWS, BLOCK_N, 4, 32 if FP8 else 16)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_tile = q_smem.index(WG)
@@ -438,15 +453,16 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
         num_tiles = gl.cdiv(seqlen_q, BLOCK_M) * num_bh
         it = 0
         for k in range(_my_tile_count(num_tiles, CAUSAL, TILE_ORDER)):
-            b, h, hk, row0, n_tiles = _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL,
-                                               BLOCK_M, BLOCK_N, TILE_ORDER)
+            b, h, hk, row0, lo, n_tiles = _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag,
+                                                   window_left, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N, TILE_ORDER)
             tile_scale = _logit_scale(qk_scale, b, h, hk, descales, FP8)
             row_lo = row0 + WG * WG_ROWS
             rows = row_lo + gl.arange(0, WG_ROWS, layout=row_layout)
             mbarrier.wait(q_bar.index(WG), k & 1)
             acc, m_i, l_i = _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                                    q_empty.index(WG), rows, row_lo, n_tiles, it, seqlen_k, diag, tile_scale, WG,
-                                    CAUSAL, NEG_SCALE, PINGPONG, FP8, O_BUF or not O_TMA, True,
+                                    q_empty.index(WG), rows, row_lo, lo, n_tiles, it, seqlen_k, diag, window_left,
+                                    tile_scale, WG, CAUSAL, HAS_LEFT, NEG_SCALE, PINGPONG, FP8, O_BUF or not O_TMA,
+                                    True,
                                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU)
             if O_BUF:
                 o_tile = o_smem.index(WG)
@@ -461,14 +477,16 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
         if O_BUF:
             tma.store_wait(0)
     else:
-        b, h, hk, row0, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+        b, h, hk, row0, lo, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, window_left, CAUSAL,
+                                                   HAS_LEFT, BLOCK_M, BLOCK_N)
         qk_scale = _logit_scale(qk_scale, b, h, hk, descales, FP8)
         row_lo = row0 + WG * WG_ROWS
         rows = row_lo + gl.arange(0, WG_ROWS, layout=row_layout)
         mbarrier.wait(q_bar, 0)
         acc, m_i, l_i = _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_bar,
-                                rows, row_lo, n_tiles, 0, seqlen_k, diag, qk_scale, WG, CAUSAL, NEG_SCALE,
-                                PINGPONG, FP8, False, False, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU)
+                                rows, row_lo, lo, n_tiles, 0, seqlen_k, diag, window_left, qk_scale, WG, CAUSAL,
+                                HAS_LEFT, NEG_SCALE, PINGPONG, FP8, False, False, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                TAU)
         # (With O_TMA, Q is no longer read: its buffer stages O for the TMA store.)
         _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, q_tile, o_desc, o_ptr, stride_ob, stride_oh,
                   stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales, O_TMA, FP8, False,
@@ -476,29 +494,29 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NEG_SCALE: gl.conste
 
 
 @gluon.jit
-def _consumer0(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
+def _consumer0(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr):
-    _consumer(args, 0, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, BLOCK_M,
+    _consumer(args, 0, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, BLOCK_M,
               BLOCK_N, HEAD_DIM, STAGES, TAU)
 
 
 @gluon.jit
-def _consumer1(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
+def _consumer1(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr):
-    _consumer(args, 1, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, BLOCK_M,
+    _consumer(args, 1, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, BLOCK_M,
               BLOCK_N, HEAD_DIM, STAGES, TAU)
 
 
 @gluon.jit
-def _consumer2(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
+def _consumer2(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr):
-    _consumer(args, 2, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, BLOCK_M,
+    _consumer(args, 2, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, BLOCK_M,
               BLOCK_N, HEAD_DIM, STAGES, TAU)
 
 
@@ -523,23 +541,23 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
 
 
 @gluon.jit
-def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
+def _producer(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem) = args
+     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem, window_left) = args
     if PERSISTENT:
         num_bh = q_desc.shape[0] * nheads_q
         num_tiles = gl.cdiv(seqlen_q, BLOCK_M) * num_bh
         it = 0
         for k in range(_my_tile_count(num_tiles, CAUSAL, TILE_ORDER)):
-            b, h, hk, row0, n_tiles = _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL,
-                                               BLOCK_M, BLOCK_N, TILE_ORDER)
-            # Key tile 0 first: its stage frees before this tile's Q buffers do (they wait for
+            b, h, hk, row0, lo, n_tiles = _my_tile(k, num_bh, seqlen_q, seqlen_k, nheads_q, group, diag,
+                                                   window_left, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N, TILE_ORDER)
+            # Key tile lo first: its stage frees before this tile's Q buffers do (they wait for
             # the previous tile's last S, or its O store), so it is in flight meanwhile.
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, 0, it,
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, lo, it,
                      FP8, BLOCK_N, HEAD_DIM, STAGES)
             for wg in gl.static_range(BLOCK_M // WG_ROWS):
                 mbarrier.wait(q_empty.index(wg), (k & 1) ^ 1)
@@ -547,17 +565,18 @@ def _producer(args, CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.con
                 tma.async_copy_global_to_shared(q_desc, [b, h, row0 + wg * WG_ROWS, 0], q_bar.index(wg),
                                                 q_smem.index(wg).reshape([1, 1, WG_ROWS, HEAD_DIM]))
             for j in range(1, n_tiles):
-                _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, j, it + j,
+                _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, lo + j, it + j,
                          FP8, BLOCK_N, HEAD_DIM, STAGES)
             it += n_tiles
     else:
-        b, h, hk, row0, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+        b, h, hk, row0, lo, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, window_left, CAUSAL,
+                                                   HAS_LEFT, BLOCK_M, BLOCK_N)
         mbarrier.expect(q_bar, (BLOCK_M // WG_ROWS) * q_desc.block_type.nbytes)
         for wg in gl.static_range(BLOCK_M // WG_ROWS):
             tma.async_copy_global_to_shared(q_desc, [b, h, row0 + wg * WG_ROWS, 0], q_bar,
                                             q_smem.index(wg).reshape([1, 1, WG_ROWS, HEAD_DIM]))
         for j in range(n_tiles):
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, j, j,
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, lo + j, j,
                      FP8, BLOCK_N, HEAD_DIM, STAGES)
 
 
@@ -566,14 +585,17 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
                   lse_ptr, stride_lb, stride_lh, stride_lm,
                   seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale,
                   qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh,
-                  vd_ptr, stride_vdb, stride_vdh,
+                  vd_ptr, stride_vdb, stride_vdh, window_left,
                   CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                   FP8: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                   PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, TILE_ORDER: gl.constexpr = 2,
-                  RESCALE_TAU: gl.constexpr = 0.0):
+                  RESCALE_TAU: gl.constexpr = 0.0, HAS_LEFT: gl.constexpr = False):
     """RESCALE_TAU > 0: the lazy O rescale (`_attend`; 0: O is rescaled on every key tile).
+    HAS_LEFT (with CAUSAL): a sliding window (window_left, 0), key j visible to row i when
+    i + diag - window_left <= j <= i + diag; the key tiles left of a CTA tile's windows are not
+    loaded (`_coords`).
     PERSISTENT: a grid of at most one program per SM, each running CTA tiles in turn (see
     `_my_tile`); O_BUF (with PERSISTENT and O_TMA): O is staged in its own buffer instead of
     Q's, so the next tile's Q loads while this tile's O is stored (`persistent_o_buffer`).
@@ -597,6 +619,7 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
     gl.static_assert(not O_BUF or (PERSISTENT and O_TMA), "O_BUF: a persistent kernel's TMA-stored O")
     gl.static_assert(RESCALE_TAU >= 0, "RESCALE_TAU: a threshold in log2 units, >= 0")
     gl.static_assert(RESCALE_TAU == 0 or not FP8, "RESCALE_TAU: fp16/bf16 only (e4m3 P would overflow)")
+    gl.static_assert(CAUSAL or not HAS_LEFT, "HAS_LEFT: a window (window_left, 0), so with CAUSAL")
     dtype: gl.constexpr = q_desc.dtype
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -641,26 +664,26 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
             stride_lh, stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
             seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale,
             (qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh, vd_ptr, stride_vdb,
-             stride_vdh), q_empty, o_smem)
+             stride_vdh), q_empty, o_smem, window_left)
     # (The constexpr arguments are spelled out per partition: a tuple variable would not keep them constexpr.)
     if NUM_WG == 3:  # FA3's 192-row tile for small head dims: a third warpgroup hides more softmax
         gl.warp_specialize([
-            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+            (_consumer0, (args, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
                           BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
-            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+            (_consumer1, (args, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
                           BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
-            (_consumer2, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+            (_consumer2, (args, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
                           BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
-            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+            (_producer, (args, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer0, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+            (_consumer0, (args, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
                           BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
-            (_consumer1, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+            (_consumer1, (args, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
                           BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
-            (_producer, (args, CAUSAL, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+            (_producer, (args, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -678,7 +701,7 @@ def _transposed(v):
 def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: float,
            block_m: int, block_n: int, num_stages: int, pingpong: bool = True,
            descales: tuple | None = None, persistent: bool = False, tile_order: int | None = None,
-           rescale_tau: float | None = None) -> launch_cache.Planned | None:
+           rescale_tau: float | None = None, window_left: int = -1) -> launch_cache.Planned | None:
     """q/k/v: (B, H, S, D) views with 16-byte aligned strides; o: (B, Hq, Sq, D) view of any
     float dtype and strides (a TMA store when it is q's dtype and aligned); lse: (B, Hq, Sq) fp32.
 
@@ -695,6 +718,9 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     rescale_tau: the kernel's RESCALE_TAU (lazy O rescale, log2 units, fp16/bf16 only); None:
     `default_rescale_tau`.
 
+    window_left >= 0 (with causal): the sliding window (window_left, 0), each row's keys from
+    window_left before its diagonal to the diagonal (HAS_LEFT); -1: none.
+
     Returns the launch plan this call ran or made (None: none): `Planned.launch(q, k, v, o, lse)`
     repeats it for inputs of the same metadata and the same scalar arguments."""
     fp8 = q.dtype == torch.float8_e4m3fn
@@ -703,11 +729,13 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
                lse.stride(), q.dtype, o.dtype, o.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0,
                q.get_device(), launch_cache.current_device(), causal, align_bottom_right, scale, block_m, block_n,
-               num_stages, pingpong, persistent, tile_order, rescale_tau)
+               num_stages, pingpong, persistent, tile_order, rescale_tau, window_left)
         planned = _PLANS.get(key)
         if planned is not None:
             planned.launch(q, k, v, o, lse)
             return planned
+    if window_left >= 0 and not causal:
+        raise ValueError(f"window_left={window_left} needs causal=True: the window is (window_left, 0)")
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     diag = seqlen_k - seqlen_q if align_bottom_right else 0
@@ -741,13 +769,13 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         fp8_args = (None, 0, 0, 1, None, 0, 0, None, 0, 0)
     # (after the tensors: every argument fixed by the key)
     tail = (seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE.value),
-            *fp8_args)
+            *fp8_args, max(window_left, -1))
     plan = launch_cache.make_plan(
         fwd_ws_kernel, grid, *_tensor_args(q, k, v, o, lse, block_n, o_tma, fp8), *tail,
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         PERSISTENT=persistent, O_BUF=o_buf, TILE_ORDER=tile_order if persistent and causal else 0,
-        RESCALE_TAU=tau, num_warps=4, maxnreg=maxnreg,
+        RESCALE_TAU=tau, HAS_LEFT=window_left >= 0, num_warps=4, maxnreg=maxnreg,
     )
     return launch_cache.keep(_PLANS, key, plan, fwd_ws_kernel, tail,
                              _plan_tensors_o_tma if o_tma else _plan_tensors_no_o_tma)
@@ -792,11 +820,12 @@ def check_rescale_tau(tau: float, fp8: bool) -> None:
 
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
                  causal: bool, pingpong: bool, persistent: bool = False, tile_order: int = 2,
-                 rescale_tau: float | None = None) -> tuple[dict, dict, dict]:
+                 rescale_tau: float | None = None, window: bool = False) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `fwd_ws_kernel` as `launch` calls it, for an
     ahead-of-time compile (fmha kernels build) without a GPU. dtype: "fp16", "bf16" or
     "fp8e4nv" (bf16 output). persistent: the kernel `launch(..., persistent=True)` runs.
-    rescale_tau: the RESCALE_TAU constexpr (None: `default_rescale_tau`, as launch)."""
+    rescale_tau: the RESCALE_TAU constexpr (None: `default_rescale_tau`, as launch). window: the
+    kernel of a sliding window (HAS_LEFT; with causal)."""
     fp8 = dtype == "fp8e4nv"
 
     def desc(rows, cols=head_dim):
@@ -811,7 +840,7 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
                       BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
                       PRODUCER_REGS=producer_regs, PERSISTENT=persistent,
                       O_BUF=persistent and not fp8 and persistent_o_buffer(head_dim, block_m, block_n, num_stages),
-                      TILE_ORDER=tile_order if persistent and causal else 0)
+                      TILE_ORDER=tile_order if persistent and causal else 0, HAS_LEFT=window)
     tau = float(default_rescale_tau(head_dim, persistent, fp8) if rescale_tau is None else rescale_tau)
     check_rescale_tau(tau, fp8)
     constexprs["RESCALE_TAU"] = tau
