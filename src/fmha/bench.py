@@ -12,8 +12,9 @@ DESIGN.md "Performance protocol". Contenders, all in layout bhsd:
 Shapes are square (Sq = Sk), so SDPA's top-left `is_causal` and fmha's bottom-right
 causal mask agree. The "features" suite's shapes add a sliding window or packed documents
 (varlen): fmha takes `window` / `attention_varlen`, FlexAttention a block mask of the same rule,
-and SDPA's backends the dense (S, S) boolean mask (their only way to it; flash refuses masks). GQA shapes pass `enable_gqa=True` to SDPA and flex; when a backend
-refuses it, k/v are expanded to Hq heads outside the timing and the measurement says so.
+and SDPA's backends the dense (S, S) boolean mask (their only way to it; flash refuses masks).
+GQA shapes pass `enable_gqa=True` to SDPA and flex; when a backend refuses it, k/v are
+expanded to Hq heads outside the timing and the measurement says so.
 
 Method: for each shape, the inputs are built once (`torch.randn`), every contender is run
 once to check that it works (an error makes it "n/a" with the error's first line, never

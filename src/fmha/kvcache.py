@@ -533,11 +533,12 @@ def _hashable(value) -> bool:
 class _DecodeCallPlan:
     """What a validated plain decode call (no new k/v, rotary, ALiBi, sinks, cache batch index or
     varlen queries; float8 caches too, their descales given as tensors or not at all; CUDA
-    tensors outside debug mode, whose index values the full path does not read either) repeats for inputs of the same metadata and scalars
-    (`attention_with_kvcache`'s key): the outputs' shapes, the split count and the launchers'
-    own plans (kernels/kvcache.py). Checks, description and dispatch ran for the call that made
-    it; a later call of the same key would pass them alike, and would get the same kernels
-    while the dispatcher and the parts `_decode_plan` keys on are the same."""
+    tensors outside debug mode, whose index values the full path does not read either) repeats
+    for inputs of the same metadata and scalars (`attention_with_kvcache`'s key): the outputs'
+    shapes, the split count and the launchers' own plans (kernels/kvcache.py). Checks,
+    description and dispatch ran for the call that made it; a later call of the same key would
+    pass them alike, and would get the same kernels while the dispatcher and the parts
+    `_decode_plan` keys on are the same."""
 
     __slots__ = ("dispatcher", "dispatch_state", "o_shape", "lse_shape", "splits", "attention", "combine",
                  "launches", "runnable")

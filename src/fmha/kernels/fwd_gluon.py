@@ -494,7 +494,8 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constex
 
 
 @gluon.jit
-def _consumer0(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
+def _consumer0(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
+               PINGPONG: gl.constexpr,
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr):
@@ -503,7 +504,8 @@ def _consumer0(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl
 
 
 @gluon.jit
-def _consumer1(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
+def _consumer1(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
+               PINGPONG: gl.constexpr,
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr):
@@ -512,7 +514,8 @@ def _consumer1(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl
 
 
 @gluon.jit
-def _consumer2(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
+def _consumer2(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
+               PINGPONG: gl.constexpr,
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr):
@@ -541,7 +544,8 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
 
 
 @gluon.jit
-def _producer(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
+def _producer(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
+              PINGPONG: gl.constexpr,
               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
