@@ -34,6 +34,7 @@ from . import validation as V
 from .api import _algorithm_args, _arch_of, _device_guard, _meta, _plain_eager, get_dispatcher
 from .configs import Family
 from .dispatcher import Dispatcher
+from .kernels.launch_args import unit_descale
 from .kernels.loader import family_module
 from .kernels.plan_tables import keep_plan, plan_table
 from .problem import MaskAlign, Problem
@@ -636,7 +637,7 @@ def _check_cache_descales(kv_fp8, k_cache, k_descale, v_descale, batch, nhead_k,
     views = []
     for name, d in given.items():
         if d is None:
-            views.append(torch.ones((1, 1), dtype=torch.float32, device=device))
+            views.append(unit_descale(device))
             continue
         if not isinstance(d, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(d).__name__}")

@@ -18,13 +18,12 @@ rotated copy.
 Masks, soft-cap and ALiBi come from `common`, shared with the other families.
 """
 
-import torch
 import triton
 import triton.language as tl
 
 from . import launch_cache
 from .common import LN2, LOG2E, key_range, modify_logits, visible
-from .launch_args import alibi_strides, cdiv, padded_dim
+from .launch_args import alibi_strides, cdiv, padded_dim, unit_descale
 
 
 @triton.jit
@@ -545,12 +544,12 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
 def _attention_tensors(q, k_cache, v_cache, o, lse, lengths, alibi_slopes, sinks, block_table, kv_indptr,
                        cache_batch_idx, cu_seqlens_q, k_descale=None, v_descale=None) -> tuple:
     """splitkv_kernel's leading (tensor) arguments; `lengths` stands in for the absent ones (a
-    float8 cache's absent descale is 1: `_unit_descale`)."""
+    float8 cache's absent descale is 1: `launch_args.unit_descale`)."""
     def given(t):
         return t if t is not None else lengths
 
     if k_cache.element_size() == 1:
-        k_descale, v_descale = (d if d is not None else _unit_descale(k_cache.device) for d in (k_descale, v_descale))
+        k_descale, v_descale = (d if d is not None else unit_descale(k_cache.device) for d in (k_descale, v_descale))
     return (q, k_cache, v_cache, o, lse, given(alibi_slopes), given(sinks), given(block_table), given(kv_indptr),
             given(cache_batch_idx), lengths, given(cu_seqlens_q), given(k_descale), given(v_descale))
 
@@ -579,20 +578,6 @@ def _descale_strides(k_cache, descale) -> tuple[int, int]:
     if k_cache.element_size() != 1 or descale is None:
         return (0, 0)
     return tuple(st if n > 1 else 0 for st, n in zip(descale.stride(), descale.shape, strict=True))
-
-
-_UNIT_DESCALES: dict = {}
-
-
-def _unit_descale(device) -> torch.Tensor:
-    """A (1, 1) fp32 one on `device`: an absent descale. Kept per device, except while a CUDA
-    graph is being captured (a tensor allocated then belongs to the graph's memory pool)."""
-    one = _UNIT_DESCALES.get(device)
-    if one is None:
-        one = torch.ones((1, 1), dtype=torch.float32, device=device)
-        if not (one.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _UNIT_DESCALES[device] = one
-    return one
 
 
 def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sinks=None,

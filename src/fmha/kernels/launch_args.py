@@ -4,6 +4,7 @@ Kernel views are bhsd (dense) or packed (total, H, D) (varlen); lse-like tensors
 (B, Hq, Sq) or (Hq, total_q). Absent optional tensors get zero strides.
 """
 
+import torch
 
 
 def seq_strides(t, varlen: bool) -> tuple[int, int, int]:
@@ -48,3 +49,17 @@ def feature_flags(window, sink_size, softcap, bias, alibi_slopes, dropout_p, ali
         HAS_SINK_TOKENS=sink_size > 0, HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None,
         HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=dropout_p > 0,
     )
+
+
+_UNIT_DESCALES: dict = {}
+
+
+def unit_descale(device) -> torch.Tensor:
+    """A (1, 1) fp32 one on `device`: an absent float8 descale. Kept per device (read only), except
+    while a CUDA graph is being captured (a tensor allocated then belongs to the graph's memory pool)."""
+    one = _UNIT_DESCALES.get(device)
+    if one is None:
+        one = torch.ones((1, 1), dtype=torch.float32, device=device)
+        if not (one.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _UNIT_DESCALES[device] = one
+    return one
