@@ -63,18 +63,31 @@ def test_other_problems_fall_back_to_triton_and_explain_says_why(change, reason)
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("window", [(0, 0), (127, 0), (1000, 0)])
-def test_sliding_windows_left_of_the_diagonal_get_the_one_tile_gluon_forward(head_dim, window):
-    """A window (left, 0) runs on the one-tile Gluon forward (HAS_LEFT); the persistent config
-    refuses it and explain says so; the backward stays on a kernel that takes windows."""
+@pytest.mark.parametrize("family", [Family.FWD, Family.BWD_DQ_DK_DV])
+def test_sliding_windows_left_of_the_diagonal_get_the_one_tile_gluon_kernels(head_dim, window, family):
+    """A window (left, 0) runs on the one-tile Gluon forward (HAS_LEFT) and dK/dV (LEFT_WINDOW);
+    the persistent configs (the forward's at every head dim, the dK/dV's at D=64) refuse it and
+    explain says so."""
     problem = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, window=window)
-    config = _fwd_config(problem)
+    dispatcher = Dispatcher(default_registry())
+    plan = dispatcher.plan_forward(problem) if family == Family.FWD else dispatcher.plan_backward(problem)
+    config = plan.config(family)
     assert config.algorithm.pipeline.is_gluon and not config.algorithm.persistent
-    assert config.signature.left_window
-    persistent = next(line for line in Dispatcher(default_registry()).explain(problem, Family.FWD).splitlines()
-                      if f"d{head_dim}-{head_dim}_sm90_gluon" in line and "persistent" in line)
-    assert "refused" in persistent and "no sliding window" in persistent, persistent
-    backward = Dispatcher(default_registry()).plan_backward(problem).config(Family.BWD_DQ_DK_DV)
-    assert not backward.signature.refusals(problem)
+    assert config.signature.left_window and not config.signature.refusals(problem)
+    persistent = [line for line in dispatcher.explain(problem, family).splitlines()
+                  if f"d{head_dim}-{head_dim}_sm90_gluon" in line and "persistent" in line]
+    assert bool(persistent) == (family == Family.FWD or head_dim == 64), persistent
+    for line in persistent:
+        assert "refused" in line and "no sliding window" in line, line
+
+
+@pytest.mark.parametrize("window", [(100, 50), (-1, 3), (0, 1)])
+def test_windows_with_a_right_edge_keep_the_triton_backward(window):
+    problem = _problem(window=window)
+    config = Dispatcher(default_registry()).plan_backward(problem).config(Family.BWD_DQ_DK_DV)
+    assert config.algorithm.pipeline == Pipeline.TRITON
+    line = _explain_line(problem, Family.BWD_DQ_DK_DV, "d128-128_sm90_gluon_ws")
+    assert "refused" in line and "windows (left, 0)" in line, line
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -609,3 +622,79 @@ def test_short_causal_d128_takes_heads_outermost():
         orders = {v: dict(job.constexprs)["TILE_ORDER"] for v, job in jobs.items()}
         assert orders == ({"plain": 0, "causal": 2, "causal_short": 1} if short
                           else {"plain": 0, "causal": 2 if config.algorithm.persistent else 0}), config.name
+
+
+def _window_query_tiles(n0, seqlen_q, seqlen_k, diag, window_left, block_m, block_n):
+    """bwd_gluon._key_tile's query-tile range [m_start, m_start + n_m) of the key tile at n0 under
+    CAUSAL=LEFT_WINDOW, transcribed (C integer division of non-negative operands)."""
+    m_start = max(n0 - diag, 0) // block_m
+    last = min(n0 + block_n, seqlen_k) - 1 - diag + window_left
+    m_end = min(-(-seqlen_q // block_m), max(last + block_m, 0) // block_m)
+    return m_start, max(m_end - m_start, 0)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(64, 128), (128, 128), (64, 64)])
+def test_window_backward_visits_exactly_the_query_tiles_that_see_a_key_tile(block_m, block_n):
+    """Every query tile with a query that sees a key of the tile (i + diag - left <= j <= i + diag)
+    is in the range, and the range's first and last tiles do see one (no wasted tiles at either
+    end): Sq < Sk, Sq > Sk (diag < 0: rows with no key), windows inside a tile and over many."""
+    for seqlen_q, seqlen_k in ((300, 700), (700, 300), (513, 513), (1, 1000)):
+        for diag in (seqlen_k - seqlen_q, 0):
+            for left in (0, 1, 63, 100, 1000):
+                for n0 in range(0, seqlen_k, block_n):
+                    keys = range(n0, min(n0 + block_n, seqlen_k))
+                    seen = sorted({i // block_m for i in range(seqlen_q)  # [i + diag - left, i + diag] meets keys
+                                   if i + diag - left <= keys[-1] and i + diag >= keys[0]})
+                    start, count = _window_query_tiles(n0, seqlen_q, seqlen_k, diag, left, block_m, block_n)
+                    visited = list(range(start, start + count))
+                    assert set(seen) <= set(visited), (seqlen_q, seqlen_k, diag, left, n0, seen, visited)
+                    if seen:
+                        assert visited[0] == seen[0] and visited[-1] == seen[-1], (seen, visited)
+
+
+def test_window_backward_compile_spec_and_refusals():
+    """compile_spec(window=True) is the kernel launch_dkdv(window_left=...) runs (CAUSAL=LEFT_WINDOW,
+    window_left a runtime i32); a window without causal, or on the persistent kernel, is refused
+    before anything is launched."""
+    from fmha.kernels import bwd_gluon
+
+    for ws in (False, True):
+        signature, constexprs, _ = bwd_gluon.compile_spec("bf16", 128, 64, 128, 2 if not ws else 3, causal=True,
+                                                          warp_specialized=ws, window=True)
+        assert constexprs["CAUSAL"] == bwd_gluon.LEFT_WINDOW.value and signature["window_left"] == "i32"
+        plain = bwd_gluon.compile_spec("bf16", 128, 64, 128, 3, causal=True, warp_specialized=ws)[1]
+        assert plain["CAUSAL"] is True
+    q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16, device="meta")
+    lse = torch.empty(1, 2, 256, device="meta")
+    args = (q, q, q, q, lse, lse, q, q, q.float())
+    common = dict(align_bottom_right=True, scale=0.1, block_m=64, block_n=128, num_stages=3, warp_specialized=True)
+    with pytest.raises(ValueError, match="window_left=5.*causal=True"):
+        bwd_gluon.launch_dkdv(*args, causal=False, window_left=5, **common)
+    with pytest.raises(ValueError, match="window_left=5.*persistent=True"):
+        bwd_gluon.launch_dkdv(*args, causal=True, persistent=True, window_left=5, **common)
+
+
+def test_gluon_window_backward_compiles_for_sm90(tmp_path):
+    """The warp-specialized D=128 dK/dV kernel with a window (CAUSAL=LEFT_WINDOW) builds for sm_90
+    within the shared memory (in a fresh process, as precompile's workers: this one may have run
+    Triton's interpreter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import json
+from fmha import precompile
+from fmha.kernels import bwd_gluon
+sig, cx, opt = bwd_gluon.compile_spec("bf16", 128, 64, 128, 3, causal=True, warp_specialized=True, window=True)
+job = precompile.CompileJob(bwd_gluon.__name__, "bwd_dkdv_ws_kernel", tuple(sig.items()), tuple(cx.items()),
+                            opt["num_warps"], 1, "gluon", opt["maxnreg"])
+print(json.dumps(precompile.compile_job(job, precompile.target_of("sm90"), 232448)))
+"""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["error"] is None and 0 < result["shared"] <= 232448, result
+    ptx = next(Path(result["entry"]).glob("*.ptx")).read_text()
+    assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx

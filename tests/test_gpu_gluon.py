@@ -71,15 +71,17 @@ def test_gluon_forward_sliding_window(rng, head_dim, left, align, shape):
 
 @pytest.mark.parametrize("left", [0, 700])
 def test_gluon_sliding_window_fp16_gqa_bshd_and_backward(rng, left):
-    """A window in fp16, bshd, GQA, at a realistic size, then its backward (a Triton kernel that
-    takes windows) from the Gluon forward's o and LSE."""
+    """A window in fp16, bshd, GQA, at a realistic size, then its backward (the Gluon dK/dV kernel,
+    LEFT_WINDOW) from the Gluon forward's o and LSE, with a gradient of the LSE too."""
     from attn_testing import check_backward
 
     q, k, v = make_qkv(rng, dtype=torch.float16, layout="bshd", device=CUDA, batch=2, nhead_q=16,
                        nhead_k=4, seqlen_q=3000, seqlen_k=3000, head_dim=128)
     assert _uses_gluon(q, k, v, layout="bshd", window=(left, 0))
     check_attention(q, k, v, layout="bshd", window=(left, 0), truth="torch64")
-    check_backward(q[:, :1000], k[:, :1000], v[:, :1000], layout="bshd", window=(left, 0), truth="torch64")
+    q, k, v = (t[:, :2000] for t in (q, k, v))
+    assert _bwd_uses_gluon(q.requires_grad_(), k, v, layout="bshd", window=(left, 0))
+    check_backward(q.detach(), k, v, layout="bshd", window=(left, 0), truth="torch64", with_dlse=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -189,6 +191,26 @@ def test_gluon_backward_d256_without_warp_specialization(rng, monkeypatch, mask,
     """The registry's second D=256 dK/dV kernel (no warp specialization; `fmha tune` times it
     against the first), dQ staged in the Q/dO buffers and added by TMA reduce-add."""
     _check_backward_with_shape(rng, monkeypatch, "gluon", 256, mask, shape)
+
+
+@pytest.mark.parametrize("pipeline", ["gluon_ws", "gluon"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("left", [0, 100, 1000])
+@pytest.mark.parametrize("align", ["bottom_right", "top_left"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1533), (1, 2, 2, 700, 77), (2, 4, 1, 77, 700),
+                                   (1, 4, 4, 1024, 1024)], ids=lambda s: "x".join(map(str, s)))
+def test_gluon_backward_sliding_window(rng, pipeline, head_dim, left, align, shape):
+    """Windows (left, 0) on both one-tile dK/dV kernels (LEFT_WINDOW): only the diagonal key (0), a
+    window inside a tile (100) and over several tiles (1000); both alignments; GQA; Sq > Sk (rows
+    with no key, key tiles after the last row's window) and Sk > Sq (key tiles no query sees)."""
+    from attn_testing import check_backward
+
+    q, k, v, _ = _masked_problem(rng, torch.bfloat16, head_dim, "none", shape)
+    kw = dict(window=(left, 0), mask_align=align)
+    with fmha.api.use_dispatcher(_backward_dispatcher(pipeline)):
+        line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
+        assert f"sm90_{pipeline}_m" in line, line
+        check_backward(q.detach(), k, v, truth="torch64", **kw)
 
 
 def _change_bwd_shape(monkeypatch, pipeline, head_dim, changes):

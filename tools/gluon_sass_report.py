@@ -10,7 +10,7 @@ Two specializations per variant:
 
     PYTHONPATH=src python tools/gluon_sass_report.py [--spec|--launch] [--seqlen S] [--group G]
                                                      [--ws [--persistent]] [--dtype fp16] [--hdims 64,128]
-                                                     [--variants D:M:N:S,...]
+                                                     [--variants D:M:N:S,...] [--window W]
                                                      [--shape k=v+k=v]
                                                      [--module FILE] [--dump DIR] [--json PATH]
 
@@ -22,6 +22,7 @@ Two specializations per variant:
 --persistent (with --ws): the persistent kernel (launch_dkdv(persistent=True), 132 SMs for the launch grid).
 --dtype fp16: fp16 instead of bf16 (--module: a version with the same launch_sources arguments).
 --hdims: only these head dims.
+--window W: the causal rows with the sliding window (W, 0) instead (LEFT_WINDOW; spec: compile_spec(window=True)).
 --variants D:M:N:S,...: these (head_dim, block_m, block_n, stages) instead of the registry's,
     e.g. --ws --variants 64:128:128:2 (the 128-query warp-specialized tile).
 --shape k=v+k=v: the pipeline's kernel shape (`bwd_gluon.SHAPES`) changed so at every head dim,
@@ -82,7 +83,7 @@ def load_module(path: str, name: str = "_bwd_gluon_report"):
 
 def launch_sources(head_dim: int, block_m: int, block_n: int, stages: int, causal: bool,
                    batch: int = 4, heads: int = 16, seqlen: int = 4096, group: int = 1, ws: bool = False,
-                   persistent: bool = False, elem: str = "bf16"):
+                   persistent: bool = False, elem: str = "bf16", window_left: int = -1):
     """(signature, constexprs, attrs) the JIT derives from `launch_dkdv`'s arguments (meta tensors
     of `elem`; persistent: an H200's 132 SMs)."""
     def t(*shape, dtype=torch.float16 if elem == "fp16" else torch.bfloat16):
@@ -107,7 +108,8 @@ def launch_sources(head_dim: int, block_m: int, block_n: int, stages: int, causa
     try:
         bwd_gluon.launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, causal=causal, align_bottom_right=False,
                               scale=head_dim ** -0.5, block_m=block_m, block_n=block_n, num_stages=stages,
-                              warp_specialized=ws, **({"persistent": True} if persistent else {}))
+                              warp_specialized=ws, **({"persistent": True} if persistent else {}),
+                              **({"window_left": window_left} if window_left >= 0 else {}))
     finally:
         setattr(bwd_gluon, kernel_name, kernel)
         bwd_gluon._sm_count = sm_count
@@ -248,19 +250,24 @@ def finish(rows: list[dict]) -> int:
 
 
 def compile_variant(head_dim, block_m, block_n, stages, causal, mode, dump: Path | None, seqlen: int,
-                    group: int, ws: bool = False, persistent: bool = False, dtype: str = "bf16") -> dict:
+                    group: int, ws: bool = False, persistent: bool = False, dtype: str = "bf16",
+                    window_left: int = -1) -> dict:
     more = {"persistent": True} if persistent else {}  # (--module: a version without the argument)
     if mode == "spec":
+        window = {"window": True} if window_left >= 0 and causal else {}
         signature, constexprs, options = bwd_gluon.compile_spec(dtype, head_dim, block_m, block_n, stages,
-                                                                causal=causal, warp_specialized=ws, **more)
+                                                                causal=causal, warp_specialized=ws, **more, **window)
         attrs = None
     else:
+        window = {"window_left": window_left} if window_left >= 0 and causal else {}
         signature, constexprs, attrs, options = launch_sources(head_dim, block_m, block_n, stages, causal,
-                                                               seqlen=seqlen, group=group, ws=ws, elem=dtype, **more)
+                                                               seqlen=seqlen, group=group, ws=ws, elem=dtype, **more,
+                                                               **window)
     kernel = bwd_gluon.bwd_dkdv_ws_kernel if ws else bwd_gluon.bwd_dkdv_kernel
     tile = f"_m{block_m}" if block_m != 64 else ""
     name = (f"{'ws_' if ws else ''}{'p_' if persistent else ''}d{head_dim}{tile}_s{stages}"
-            f"_{'causal' if causal else 'full'}_{mode}{'' if dtype == 'bf16' else '_' + dtype}")
+            f"_{('window' if window else 'causal') if causal else 'full'}_{mode}"
+            f"{'' if dtype == 'bf16' else '_' + dtype}")
     sass, fields = compile_sass(GluonASTSource(kernel, signature, constexprs, attrs), options, name, dump)
     return {"variant": name, **fields, "max_register": max_register(sass), "loop": loop_counts(sass)}
 
@@ -298,7 +305,7 @@ def main() -> int:
             (v, c, m) for v in variants for c in (False, True) for m in modes):
         t0 = time.time()
         row = compile_variant(head_dim, block_m, block_n, stages, causal, mode, dump, seqlen, group, ws,
-                              persistent, dtype)
+                              persistent, dtype, option("--window", int, -1))
         rows.append(row)
         rmax = f"  {row['max_register']:>4}" if ws else ""
         print_row(row, 24, row["loop"], COUNTED, tail=f"{rmax}  ({time.time() - t0:.0f}s)")

@@ -309,10 +309,10 @@ def _launch_dkdv(prep: _Prepared, config: KernelConfig, do_view: Tensor, lse: Te
             do_view = do_view.contiguous()
         return family_module("bwd_gluon", interpreted=False).launch_dkdv(
             prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view, dq_acc_view,
-            causal=p.window == (-1, 0), align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT,
+            causal=p.window[1] == 0, align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT,
             scale=prep.scale, block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages,
             num_warps=a.num_warps, warp_specialized=a.pipeline == Pipeline.GLUON_WS,
-            persistent=a.persistent)
+            persistent=a.persistent, window_left=p.window[0])
     else:
         family_module("bwd", interpreted=prep.q.device.type == "cpu").launch_dkdv(
             prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view, dq_acc=dq_acc_view, dbias=dbias,

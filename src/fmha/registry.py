@@ -241,18 +241,21 @@ def default_registry() -> Registry:
     # and -7.1% causal at B=4 S=4096 (H200, 2026-11-30, attempt 43); at D 128/256 it measured
     # 0.98-1.00x of the one-tile kernel, so they stay one-tile.
     m128_halves = ws_bwd + ", 128-query stages in two halves"
+    # The one-tile dK/dV configs also take sliding windows (left, 0) (bwd_gluon's LEFT_WINDOW: a key
+    # tile's loop ends at the last query tile whose windows reach it); the persistent one refuses them.
+    lw = dict(left_window=True)
     configs += [_gluon_config(Family.BWD_DQ_DK_DV, 64, 128, 128, 8, 2, Pipeline.GLUON_WS,
                               m128_halves + ", persistent", persistent=True),
-                _gluon_config(Family.BWD_DQ_DK_DV, 64, 128, 128, 8, 2, Pipeline.GLUON_WS, m128_halves),
-                _gluon_config(Family.BWD_DQ_DK_DV, 64, 64, 128, 8, 3, Pipeline.GLUON, bwd_notes),
-                _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 3, Pipeline.GLUON_WS, ws_bwd),
-                _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 2, Pipeline.GLUON, bwd_notes),
+                _gluon_config(Family.BWD_DQ_DK_DV, 64, 128, 128, 8, 2, Pipeline.GLUON_WS, m128_halves, **lw),
+                _gluon_config(Family.BWD_DQ_DK_DV, 64, 64, 128, 8, 3, Pipeline.GLUON, bwd_notes, **lw),
+                _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 3, Pipeline.GLUON_WS, ws_bwd, **lw),
+                _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 2, Pipeline.GLUON, bwd_notes, **lw),
                 # D=256: 64 keys (dK and dV take 128 registers a thread), dQ in two halves;
                 # warp-specialized with dQ staged in the consumed Q/dO stage, 1.06x cuDNN where
                 # the other ran 0.945x (H200, 2026-11-30, attempt 36).
                 _gluon_config(Family.BWD_DQ_DK_DV, 256, 64, 64, 8, 2, Pipeline.GLUON_WS,
-                              ws_bwd + ", dQ halves staged in the consumed Q/dO stage"),
-                _gluon_config(Family.BWD_DQ_DK_DV, 256, 64, 64, 8, 2, Pipeline.GLUON, bwd_notes)]
+                              ws_bwd + ", dQ halves staged in the consumed Q/dO stage", **lw),
+                _gluon_config(Family.BWD_DQ_DK_DV, 256, 64, 64, 8, 2, Pipeline.GLUON, bwd_notes, **lw)]
     configs += _family_configs(Family.BWD_DQ_DK_DV, [
         # H200, 2026-11-29: m32 n64 w4 s3 runs 256/223 TFLOP/s (m64 n128 w8 s2: 152/116), but
         # with block_m=32 dK is not bitwise reproducible run to run even without atomics

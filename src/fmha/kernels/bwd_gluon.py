@@ -17,8 +17,8 @@ with Q and dO (STATS_TMA; per-thread loads where TMA cannot address them). dQ go
 TMA reduce-add from shared memory (DQ_TMA, FlashAttention-3's way: the copy engine adds the
 tile in L2, no atomics on the warps' memory pipe), or else as `red.global.add.v2.f32` of column
 pairs (DQ_V2; scalar atomics if 8-byte alignment fails).
-Scope: fp16/bf16, Dqk == Dv in {64, 128, 256}, no mask or causal in either alignment, GQA;
-TMA-aligned bhsd/bshd views.
+Scope: fp16/bf16, Dqk == Dv in {64, 128, 256}, no mask or causal in either alignment, and (one
+key tile a program) sliding windows (left, 0) (`LEFT_WINDOW`), GQA; TMA-aligned bhsd/bshd views.
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ from .launch_args import cdiv
 from .persistent_schedule import causal_tile_order
 
 LOG2E = gl.constexpr(1.4426950408889634)
+# The kernels' CAUSAL: False (no mask), True (causal), or LEFT_WINDOW: causal with a left edge, the
+# sliding window (window_left, 0) (rows i see keys i + diag - window_left <= j <= i + diag). The
+# persistent kernel takes no window.
+LEFT_WINDOW = gl.constexpr(2)
 # Warp-specialized variant: 8 compute warps + 1 loader warp + 2 writer warps, padded to 12
 # warps, start at 168 registers (12 * 32 * 168 < 64K); the workers drop to WORKER_REGS and
 # the compute warpgroups take 240. Every worker warp of the padded warpgroup must fit that
@@ -116,10 +120,12 @@ def _red_add_v4(ptrs, values, mask):
 
 
 @gluon.jit
-def _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr):
+def _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """(b, KV head, first query head, first key, first query tile, query tiles per head) of
-    this program. Causal rows i see keys j <= i + diag: earlier query tiles are skipped."""
+    this program. Causal rows i see keys j <= i + diag: earlier query tiles are skipped; with
+    CAUSAL == LEFT_WINDOW rows i also see only keys j >= i + diag - window_left: the query tiles
+    after the last row whose window reaches the tile's last key are skipped too."""
     num_n = gl.cdiv(seqlen_k, BLOCK_N)
     pid = gl.program_id(0)
     bh = pid // num_n
@@ -129,7 +135,11 @@ def _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL: gl.constexpr, B
     m_start = 0
     if CAUSAL:
         m_start = gl.maximum(n0 - diag, 0) // BLOCK_M
-    n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_start, 0)
+    m_end = gl.cdiv(seqlen_q, BLOCK_M)
+    if CAUSAL == LEFT_WINDOW:  # the last row seeing the tile's last key; (last + BLOCK_M) // BLOCK_M tiles
+        last = gl.minimum(n0 + BLOCK_N, seqlen_k) - 1 - diag + window_left
+        m_end = gl.minimum(m_end, gl.maximum(last + BLOCK_M, 0) // BLOCK_M)
+    n_m = gl.maximum(m_end - m_start, 0)
     return b, hk, hk * group, n0, m_start, n_m
 
 
@@ -163,18 +173,23 @@ def _delta_row(delta, delta_smem, stage, b, h, queries, seqlen_q, stride_deb, st
 
 
 @gluon.jit
-def _probs(st, lse2, keys, queries, n0, m0, seqlen_k, diag, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+def _probs(st, lse2, keys, queries, n0, m0, seqlen_k, diag, window_left, qk_scale, CAUSAL: gl.constexpr,
+           BLOCK_N: gl.constexpr):
     """P^T from the in-flight S^T product (issued before dP^T, which may still run); masked
-    keys give P = 0."""
+    keys give P = 0 (with CAUSAL == LEFT_WINDOW also the keys left of a query's window)."""
     st = warpgroup_mma_wait(1, deps=(st,))
     pt = gl.exp2(st * qk_scale - lse2)
     need_mask = n0 + BLOCK_N > seqlen_k
     if CAUSAL:
         need_mask = need_mask | (m0 + diag < n0 + BLOCK_N - 1)
+    if CAUSAL == LEFT_WINDOW:  # the first key left of the last query's window edge
+        need_mask = need_mask | (n0 < m0 + queries.shape[0] - 1 + diag - window_left)
     if need_mask:
         ok = keys[:, None] < seqlen_k
         if CAUSAL:
             ok = ok & (keys[:, None] <= queries[None, :] + diag)
+        if CAUSAL == LEFT_WINDOW:
+            ok = ok & (keys[:, None] >= queries[None, :] + diag - window_left)
         pt = gl.where(ok, pt, 0.0)
     return pt
 
@@ -233,12 +248,13 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr,
                     stride_dqb, stride_dqh, stride_dqm,
                     stride_dkb, stride_dkh, stride_dkn,
                     stride_dvb, stride_dvh, stride_dvn,
-                    seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale,
+                    seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale, window_left,
                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
                     DQ_V2: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr,
                     DQ_ALIAS: gl.constexpr):
     """lse, delta: TMA descriptors of (B, Hq, Sq) fp32 with STATS_TMA, else pointers.
+    CAUSAL: False, True or LEFT_WINDOW (the window (window_left, 0); window_left unused otherwise).
     dq_acc: with DQ_TMA a TMA descriptor of the (B, Hq, Sq, D) fp32 accumulator (blocks of
     BLOCK_M x DQ_COLS), else its pointer.
     DQ_COLS: dQ is formed and added DQ_COLS columns at a time (HEAD_DIM for one product; half
@@ -255,7 +271,8 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr,
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
 
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
+                                             BLOCK_M, BLOCK_N)
     total = group * n_m
 
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -312,7 +329,7 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr,
                         stride_lb, stride_lh, stride_lm, st_layout, STATS_TMA, BLOCK_M)
         delta_row = _delta_row(delta, delta_smem, stage, b, h, queries, seqlen_q, stride_deb, stride_deh,
                                stride_dem, st_layout, STATS_TMA)
-        pt = _probs(st, lse2, keys, queries, n0, m0, seqlen_k, diag, qk_scale, CAUSAL, BLOCK_N)
+        pt = _probs(st, lse2, keys, queries, n0, m0, seqlen_k, diag, window_left, qk_scale, CAUSAL, BLOCK_N)
         dpt = warpgroup_mma_wait(0, deps=(dpt,))
         dst = pt * (dpt - delta_row)
         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
@@ -473,8 +490,9 @@ def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
                STAGES: gl.constexpr, STATS_TMA: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
+                                             BLOCK_M, BLOCK_N)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem.reshape(k_desc.block_type.shape))
     tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem.reshape(v_desc.block_type.shape))
@@ -496,7 +514,7 @@ def _ws_loader_persistent(args, kv_empty, CAUSAL: gl.constexpr, BLOCK_M: gl.cons
     keeps streaming across the tile border."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
     num_bh = k_desc.shape[0] * nheads_k
     it = 0
     for k in range(fwd_gluon._my_tile_count(gl.cdiv(seqlen_k, BLOCK_N) * num_bh, CAUSAL, TILE_ORDER)):
@@ -574,8 +592,9 @@ def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl
     more than one quad a thread."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
+                                             BLOCK_M, BLOCK_N)
     _ws_dq_writer_tile(args, b, hq0, m_start, n_m, 0, BLOCK_M, HEAD_DIM, DQ_BUFS, DQ_TMA)
 
 
@@ -588,7 +607,7 @@ def _ws_dq_writer_persistent(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, 
     buffers (the ring's stages) count on across key tiles."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
     num_bh = k_desc.shape[0] * nheads_k
     it = 0
     for k in range(fwd_gluon._my_tile_count(gl.cdiv(seqlen_k, BLOCK_N) * num_bh, CAUSAL, TILE_ORDER)):
@@ -607,7 +626,7 @@ def _ws_dq_writer_tile(args, b, hq0, m_start, n_m, base, BLOCK_M: gl.constexpr, 
     """The writer's work for one key tile: its iterations j take hand-over `base + j`."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
     block_rows, offsets = _quad_offsets(stride_dqm)
     for j in range(group * n_m):
         it, buf, phase, h, m0 = _ring_step(base, j, hq0, m_start, n_m, BLOCK_M, DQ_BUFS)
@@ -642,11 +661,12 @@ def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.c
                 DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
+                                             BLOCK_M, BLOCK_N)
     dk, dv = _ws_compute_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL, BLOCK_M,
                               BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)
     _ws_store_dkdv(dk, dv, out_args, k_smem, v_smem, b, hk, n0, seqlen_k, BLOCK_N, HEAD_DIM, DKDV_TMA)
@@ -660,7 +680,7 @@ def _ws_probs(args, lse_strides, qk_scale, st_zero, keys, b, n0, stage, phase, h
     tile, queries, P^T, dP^T still in flight)."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     st_layout: gl.constexpr = acc_layout(BLOCK_N, BLOCK_M, gl.num_warps())  # S^T, dP^T: keys x queries
     q_tile = q_smem.index(stage)
@@ -671,7 +691,7 @@ def _ws_probs(args, lse_strides, qk_scale, st_zero, keys, b, n0, stage, phase, h
     queries = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
     lse2 = _lse_row(lse, lse_smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q, stride_lb, stride_lh,
                     stride_lm, st_layout, STATS_TMA, BLOCK_M)
-    pt = _probs(st, lse2, keys, queries, n0, m0, seqlen_k, diag, qk_scale, CAUSAL, BLOCK_N)
+    pt = _probs(st, lse2, keys, queries, n0, m0, seqlen_k, diag, window_left, qk_scale, CAUSAL, BLOCK_N)
     return q_tile, do_tile, queries, pt, dpt
 
 
@@ -684,7 +704,7 @@ def _ws_compute_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 
     Returns the unscaled dK and dV; when it returns, every product reading K and V is done."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     dtype: gl.constexpr = q_desc.dtype
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -763,11 +783,12 @@ def _ws_compute_m128(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M:
     S^T/dP^T run on the tensor cores while half 0's softmax ends and dS^T_0 is stored."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
+                                             BLOCK_M, BLOCK_N)
     dk, dv = _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL, BLOCK_M,
                                    BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)
     _ws_store_dkdv(dk, dv, out_args, k_smem, v_smem, b, hk, n0, seqlen_k, BLOCK_N, HEAD_DIM, DKDV_TMA)
@@ -783,7 +804,7 @@ def _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, 
     Returns the unscaled dK and dV; when it returns, every product reading K and V is done."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     HALF: gl.constexpr = BLOCK_M // 2
     gl.static_assert(HALF == 64, "two 64-query halves")
@@ -813,7 +834,7 @@ def _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, 
             lse2 = _stat_half(lse, lse_smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q, stride_lb,
                               stride_lh, stride_lm, float("inf"), hm == 0, HALF, hm, st_layout, STATS_TMA) * LOG2E
             # (half 1: this wait also retires half 0's dV/dK products, issued before S^T_1)
-            pt = _probs(st, lse2, keys, queries, n0, m0h, seqlen_k, diag, qk_scale, CAUSAL, BLOCK_N)
+            pt = _probs(st, lse2, keys, queries, n0, m0h, seqlen_k, diag, window_left, qk_scale, CAUSAL, BLOCK_N)
             delta_row = _stat_half(delta, delta_smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q,
                                    stride_deb, stride_deh, stride_dem, 0.0, False, HALF, hm, st_layout, STATS_TMA)
             dpt = warpgroup_mma_wait(0, deps=(dpt,))
@@ -873,7 +894,7 @@ def _ws_compute_persistent(args, kv_empty, lse_strides, out_args, p_smem, dkdv_s
     the buffers are written again."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
     kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())  # dK, dV
@@ -937,11 +958,12 @@ def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, 
     tile against 4)."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
+                                             BLOCK_M, BLOCK_N)
     dk, dv = _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY,
                                    PS_SMEM)
@@ -959,7 +981,7 @@ def _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m
     unscaled dK and dV; when it returns, every product reading K and V is done."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     gl.static_assert(2 * DQ_COLS == HEAD_DIM, "dQ halves staged in the Q and dO buffers")
     dtype: gl.constexpr = q_desc.dtype
@@ -1027,8 +1049,9 @@ def _ws_dq_writer_alias(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
     red.v4 blocks of `_ws_dq_writer`) the writer, not the compute warps, releases the stage."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL, BLOCK_M, BLOCK_N)
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
+                                             BLOCK_M, BLOCK_N)
     _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, 0, BLOCK_M, STAGES, DQ_COLS, DQ_TMA)
 
 
@@ -1038,7 +1061,7 @@ def _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, base, BLOCK_M: gl.const
     """The alias writer's work for one key tile: its iterations j take ring use `base + j`."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
     dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
     block_rows, offsets = _quad_offsets(stride_dqm)
     for j in range(group * n_m):
@@ -1061,7 +1084,7 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
                        stride_dqb, stride_dqh, stride_dqm,
                        stride_dkb, stride_dkh, stride_dkn,
                        stride_dvb, stride_dvh, stride_dvn,
-                       seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale,
+                       seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale, window_left,
                        CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
                        DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr,
@@ -1084,6 +1107,7 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     K's and V's dtype and layout); the tile's dK and dV leave through K's and V's shared buffers
     (`_store_dkdv_tma`), with PERSISTENT through two staging buffers of their own."""
     dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert(not (PERSISTENT and CAUSAL == LEFT_WINDOW), "the persistent kernel takes no window")
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -1129,7 +1153,7 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
 
     args = (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
             seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-            ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty)
+            ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left)
     lse_strides = (stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem)
     out_args = (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 qk_scale, scale)
@@ -1205,13 +1229,20 @@ SHAPES = {
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_bottom_right: bool,
                 scale: float, block_m: int, block_n: int, num_stages: int, num_warps: int = 8,
-                warp_specialized: bool = False, persistent: bool = False) -> launch_cache.Planned | None:
+                warp_specialized: bool = False, persistent: bool = False,
+                window_left: int = -1) -> launch_cache.Planned | None:
     """(B, H, S, D) views; lse/delta (B, Hq, Sq) fp32; dq_acc fp32 (B, Hq, Sq, D) view, zeroed
     (16-byte aligned rows for the warp-specialized kernel: fmha allocates it so).
+    window_left >= 0 (with causal, not persistent): the sliding window (window_left, 0), each
+    query's keys from window_left before its diagonal to the diagonal (CAUSAL=LEFT_WINDOW: a key
+    tile's loop ends at the last query tile whose windows reach it); -1: none.
     persistent (warp_specialized): one program per SM walks the key tiles
     (bwd_dkdv_ws_kernel's PERSISTENT; causal tile order `preferred_tile_order`, pairs where
     heads outermost would unbalance the programs: persistent_schedule.causal_tile_order).
     Returns the launch plan this call ran or made (None: none), as fwd_gluon.launch."""
+    if window_left >= 0 and (not causal or persistent):
+        raise ValueError(f"window_left={window_left}: a window (window_left, 0) needs causal=True and the "
+                         f"one-tile kernel (persistent=False); got causal={causal}, persistent={persistent}")
     key = None
     if launch_cache.plans_enabled(bwd_dkdv_ws_kernel):
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), do.stride(), lse.shape, lse.stride(),
@@ -1219,7 +1250,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
                delta.dtype, dq_acc.dtype, lse.data_ptr() % 16, delta.data_ptr() % 16, dq_acc.data_ptr() % 16,
                dk.data_ptr() % 16 == 0, dv.data_ptr() % 16 == 0, q.get_device(), launch_cache.current_device(),
                id(SHAPES), causal, align_bottom_right, scale, block_m, block_n, num_stages, num_warps,
-               warp_specialized, persistent)
+               warp_specialized, persistent, window_left)
         planned = _PLANS.get(key)
         if planned is not None:
             planned.launch(q, k, v, do, lse, delta, dk, dv, dq_acc)
@@ -1241,7 +1272,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     # dK and dV by TMA stores where they have K's and V's dtypes and TMA can address them.
     dkdv_tma = dk.dtype == k.dtype and dv.dtype == v.dtype and tma_aligned(dk, dv)
     kernel, constexprs, options, reduce_cols = _kernel_spec(
-        head_dim, block_m, block_n, num_stages, causal=causal, stats_tma=stats_tma, dq_tma=tma_aligned(dq_acc),
+        head_dim, block_m, block_n, num_stages, causal=LEFT_WINDOW.value if window_left >= 0 else causal,
+        stats_tma=stats_tma, dq_tma=tma_aligned(dq_acc),
         dq_v2=dq_v2, num_warps=num_warps, warp_specialized=warp_specialized, persistent=persistent,
         tile_order=tile_order, dkdv_tma=dkdv_tma)
     dq_tma = constexprs["DQ_TMA"]
@@ -1251,7 +1283,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     how = (block_m, block_n, stats_tma, dq_tma, reduce_cols, constexprs.get("DKDV_TMA", False))
     # (after the tensors: every argument fixed by the key)
     tail = (*lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-            seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale)
+            seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale,
+            max(window_left, -1))
     plan = launch_cache.make_plan(kernel, grid, *_tensor_args(q, k, v, do, lse, delta, dk, dv, dq_acc, *how), *tail,
                                   **constexprs, **options)
     return launch_cache.keep(_PLANS, key, plan, bwd_dkdv_ws_kernel if warp_specialized else bwd_dkdv_kernel, tail,
@@ -1368,14 +1401,15 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
                  causal: bool, stats_tma: bool = True, dq_v2: bool = True, num_warps: int = 8,
                  warp_specialized: bool = False, dq_tma: bool | None = None,
                  persistent: bool = False, tile_order: int | None = None,
-                 dkdv_tma: bool = True) -> tuple[dict, dict, dict]:
+                 dkdv_tma: bool = True, window: bool = False) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `bwd_dkdv_kernel` (`bwd_dkdv_ws_kernel` when
     warp_specialized) as `launch_dkdv` calls it (with TMA-aligned LSE/delta and dq_acc unless
     told otherwise; dq_tma None: as SHAPES says; persistent: launch_dkdv(persistent=True), whose
-    causal tile order is `tile_order`, None: `preferred_tile_order`)."""
+    causal tile order is `tile_order`, None: `preferred_tile_order`; window: with causal, a sliding
+    window (launch_dkdv's window_left >= 0, CAUSAL=LEFT_WINDOW))."""
     kernel, constexprs, options, reduce_cols = _kernel_spec(
-        head_dim, block_m, block_n, num_stages, causal=causal, stats_tma=stats_tma,
-        dq_tma=True if dq_tma is None else dq_tma, dq_v2=dq_v2, num_warps=num_warps,
+        head_dim, block_m, block_n, num_stages, causal=LEFT_WINDOW.value if window and causal else causal,
+        stats_tma=stats_tma, dq_tma=True if dq_tma is None else dq_tma, dq_v2=dq_v2, num_warps=num_warps,
         warp_specialized=warp_specialized, persistent=persistent, tile_order=tile_order, dkdv_tma=dkdv_tma)
     dq_type = descriptor_type("fp32", block_m, reduce_cols) if constexprs["DQ_TMA"] else "*fp32"
     dkdv_type = descriptor_type(dtype, block_n, head_dim) if constexprs.get("DKDV_TMA") else f"*{dtype}"
