@@ -49,7 +49,6 @@ def test_sm90_half_precision_problems_get_the_gluon_kernel(head_dim, causal, ali
     (dict(seqlen_k=0), "seqlen_k is 0"),
     (dict(bias=True), "features not supported: ['bias']"),
     (dict(softcap=30.0), "features not supported: ['softcap']"),
-    (dict(varlen=True), "features not supported: ['varlen']"),
     (dict(arch="sm80"), "arch sm80 not in ['sm90']"),
     (dict(dtype=DType.FP32), "dtype fp32 not in"),
 ])
@@ -88,6 +87,21 @@ def test_windows_with_a_right_edge_keep_the_triton_backward(window):
     assert config.algorithm.pipeline == Pipeline.TRITON
     line = _explain_line(problem, Family.BWD_DQ_DK_DV, "d128-128_sm90_gluon_ws")
     assert "refused" in line and "windows (left, 0)" in line, line
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", [dict(), dict(causal=True), dict(window=(100, 0))])
+def test_varlen_gets_the_one_tile_gluon_forward(head_dim, mask):
+    """Packed sequences run on the one-tile Gluon forward (VARLEN); the persistent config refuses
+    them and explain says why; with seqused_k, or in fp8, the Triton forward."""
+    problem = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, varlen=True, **mask)
+    config = _fwd_config(problem)
+    assert config.algorithm.pipeline.is_gluon and not config.algorithm.persistent
+    persistent = next(line for line in Dispatcher(default_registry()).explain(problem, Family.FWD).splitlines()
+                      if f"d{head_dim}-{head_dim}_sm90_gluon" in line and "persistent" in line)
+    assert "refused" in persistent and "varlen" in persistent, persistent
+    for other in (problem.with_(seqused_k=True), problem.with_(dtype=DType.FP8_E4M3)):
+        assert _fwd_config(other).algorithm.pipeline == Pipeline.TRITON
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

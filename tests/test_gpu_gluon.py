@@ -665,3 +665,83 @@ def test_gluon_ws_backward_persistent_fp16_and_atomics(rng, monkeypatch, head_di
         _check_persistent_backward(rng, monkeypatch, 7, head_dim, mask, (2, 8, 2, 1000, 1533), dtype=torch.float16)
     else:
         _check_persistent_backward(rng, monkeypatch, 7, head_dim, mask, (2, 8, 2, 1000, 1533), dq_tma=0)
+
+
+# Varlen on the one-tile Gluon forward (fwd_gluon's VARLEN): packed sequences, rows and keys offset
+# per sequence in the kernel. Lengths: empty sequences (queries without keys, keys without
+# queries), lengths off the 128-row and key tiles, and long ones.
+VARLEN_LENGTHS = {
+    "mixed": ([1, 0, 777, 2048, 33, 300], [9, 5, 1000, 2048, 0, 129]),
+    "equal": ([1024] * 3, [1024] * 3),
+    "docs": ([2000, 100, 3000, 1, 700], [2000, 100, 3000, 1, 700]),
+}
+
+
+def _varlen_launches(monkeypatch):
+    """Count fwd_gluon's varlen launches (the dispatcher picked the Gluon forward)."""
+    from fmha.kernels import fwd_gluon
+
+    calls = []
+    real = fwd_gluon._launch_varlen
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fwd_gluon, "_launch_varlen", spy)
+    return calls
+
+
+def _check_varlen_forward(rng, dtype, head_dim, lens_q, lens_k, hq, hk, **kw):
+    """fmha.attention_varlen against float64 attention of each sequence alone (o: the 2x rule
+    against the same math at the inputs' dtype; lse to 1e-3)."""
+    from fmha.numerics import torch_attention
+
+    from attn_testing import randn
+
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+                  for n in (lens_q, lens_k))
+    q = randn((sum(lens_q), hq, head_dim), dtype, rng, CUDA)
+    k = randn((sum(lens_k), hk, head_dim), dtype, rng, CUDA)
+    v = randn((sum(lens_k), hk, head_dim), dtype, rng, CUDA)
+    o, lse = fmha.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True, **kw)
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        if sq == 0:
+            continue
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        if sk == 0:  # no keys: o 0, lse -inf
+            assert (o[rows] == 0).all() and torch.isneginf(lse[:, rows]).all()
+            continue
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        qs, ks, vs = (t.transpose(0, 1)[None] for t in (q[rows], k[keys], v[keys]))
+        want, want_lse = torch_attention(qs, ks, vs, compute_dtype=torch.float64, **kw)
+        base, _ = torch_attention(qs, ks, vs, **kw)
+        got = o[rows].transpose(0, 1)[None].double()
+        err, base_err = (got - want).abs().max().item(), (base.double() - want).abs().max().item()
+        assert err <= 2 * base_err + 1e-3, (b, sq, sk, err, base_err)
+        live = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(lse[:, rows][None]), live), b
+        assert (lse[:, rows][None][live].double() - want_lse[live]).abs().max().item() < 1e-3, b
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left", "window"])
+@pytest.mark.parametrize("lengths", list(VARLEN_LENGTHS))
+def test_gluon_varlen_forward(rng, monkeypatch, dtype, head_dim, mask, lengths):
+    """Varlen on the one-tile Gluon forward: GQA 4:2 (MQA at D=256), masks aligned per sequence,
+    a window (100, 0), against float64 per sequence."""
+    calls = _varlen_launches(monkeypatch)
+    lens_q, lens_k = VARLEN_LENGTHS[lengths]
+    kw = {"none": {}, "causal": dict(causal=True), "causal_top_left": dict(causal=True, mask_align="top_left"),
+          "window": dict(window=(100, 0))}[mask]
+    _check_varlen_forward(rng, dtype, head_dim, lens_q, lens_k, 4, 1 if head_dim == 256 else 2, **kw)
+    assert len(calls) == 1
+
+
+def test_gluon_varlen_forward_features_suite_shape(rng, monkeypatch):
+    """The features suite's varlen shape: 8 causal documents packed into 16384 tokens, Hq=32 Hk=8."""
+    calls = _varlen_launches(monkeypatch)
+    lens = [3072, 1024, 4096, 512, 2048, 1536, 2560, 1536]
+    _check_varlen_forward(rng, torch.bfloat16, 128, lens, lens, 32, 8, causal=True)
+    assert len(calls) == 1

@@ -79,9 +79,17 @@ def test_every_argument_the_launchers_pass_has_a_key(monkeypatch):
     bwd_gluon.launch_dkdv(q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v),
                           torch.zeros(b, h, s, d), causal=False, align_bottom_right=False, scale=0.1,
                           block_m=64, block_n=128, num_stages=2, warp_specialized=True)
+    bwd_gluon.launch_dkdv(q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v),
+                          torch.zeros(b, h, s, d), causal=True, align_bottom_right=False, scale=0.1,
+                          block_m=64, block_n=128, num_stages=2, warp_specialized=True, window_left=100)
+    packed = q.transpose(1, 2).reshape(b * s, h, d)  # varlen: (total, H, D), lse (H, total)
+    cu = torch.tensor([0, 100, b * s], dtype=torch.int32)
+    fwd_gluon.launch(packed, packed, packed, torch.empty_like(packed), torch.empty(h, b * s), causal=True,
+                     align_bottom_right=True, scale=0.1, block_m=128, block_n=128, num_stages=2,
+                     cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=b * s - 100, max_seqlen_k=b * s - 100)
     bwd.launch_dot_do_o(o, do, lse, delta, batch=b, max_seqlen_q=s, block_m=64, num_warps=4, num_stages=1)
     bwd.launch_convert_dq(torch.zeros(b, h, s, d), torch.empty_like(q), scale=0.1, block_m=64, num_warps=4)
-    assert len(seen) == 6
+    assert len(seen) == 8
     for kernel, grid, args, kwargs in seen:
         assert all(isinstance(g, int) for g in grid)
         hash((tuple(map(launch_cache._key_of, args)), tuple(kwargs.items())))  # keys and hashes

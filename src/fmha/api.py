@@ -276,6 +276,9 @@ def _kernel_view(t: Tensor, prep: _Prepared) -> Tensor:
     return t.transpose(1, 2) if (prep.problem.layout == "bshd" and not prep.problem.varlen) else t
 
 
+_VARLEN_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
 def _launch_forward(prep: _Prepared, config: KernelConfig, o_view: Tensor, lse: Tensor,
                     sinks: Tensor | None, kernel_args: dict, fp8_descales: dict | None = None,
                     descale_block: int = 0):
@@ -290,7 +293,8 @@ def _launch_forward(prep: _Prepared, config: KernelConfig, o_view: Tensor, lse: 
                 align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT, scale=prep.scale,
                 block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages,
                 pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG, persistent=a.persistent,
-                descales=tuple(fp8_descales.values()) if fp8_descales else None)
+                descales=tuple(fp8_descales.values()) if fp8_descales else None,
+                **({key: kernel_args[key] for key in _VARLEN_ARGS} if p.varlen else {}))
         else:
             family_module("fwd", interpreted=prep.q.device.type == "cpu").launch(
                 prep.q, prep.k, prep.v, o_view, lse, sinks=sinks, **kernel_args, **_algo(config),

@@ -185,18 +185,21 @@ def default_registry() -> Registry:
     # The one-tile configs also take sliding windows (left, 0) (fwd_gluon's HAS_LEFT: the key tiles
     # left of a row tile's windows are not loaded); the persistent ones refuse windows (their causal
     # tile orders balance the causal triangle's row tiles, which a window makes equal).
+    # The one-tile 16-bit configs also take varlen (fwd_gluon's VARLEN: packed sequences, rows
+    # offset per sequence in the kernel, O by per-thread stores).
+    one_tile = fwd_features | {Feature.VARLEN}
     configs = [
         # (D=64 persistent at 2 stages: 1.004-1.013x of 3 over the persistent rows in two H200
         # runs, causal S 4096/8192 +1-2%, attempt 61; the one-tile kernel keeps 3: 2 lost 1-4%)
         _gluon_config(Family.FWD, 64, 128, 128, 4, 2, Pipeline.GLUON_WS, ws + ", persistent", fwd_features,
                       persistent=True, max_unmasked_seqlen_k=long_unmasked),
-        _gluon_config(Family.FWD, 64, 128, 128, 4, 3, Pipeline.GLUON_WS, ws, fwd_features, left_window=True),
+        _gluon_config(Family.FWD, 64, 128, 128, 4, 3, Pipeline.GLUON_WS, ws, one_tile, left_window=True),
         _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong, persistent", fwd_features,
                       persistent=True, max_unmasked_seqlen_k=long_unmasked),
-        _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong", fwd_features, left_window=True),
+        _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong", one_tile, left_window=True),
         _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong, persistent", fwd_features,
                       persistent=True),
-        _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong", fwd_features, left_window=True),
+        _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong", one_tile, left_window=True),
     ]
     configs += _family_configs(Family.FWD, [
         (half, cuda, 64, 128, 64, 4, 3),

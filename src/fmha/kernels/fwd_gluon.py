@@ -133,6 +133,30 @@ def _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, window_left, CAUSAL:
 
 
 @gluon.jit
+def _varlen_tile(max_seqlen_q, nheads_q, group, bottom_right, window_left, cu_seqlens, CAUSAL: gl.constexpr,
+                 HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """`_tile_coords` of a varlen launch (VARLEN): the grid covers max_seqlen_q's row tiles of every
+    (sequence, head); sequence b's queries start at q0 = cu_seqlens_q[b] and its keys at
+    k0 = cu_seqlens_k[b] (cu_seqlens: the two pointers).
+    Returns (b, h, hk, first row, first key tile, number of key tiles, q0, k0, seqlen_q, seqlen_k,
+    diag) with rows and keys relative to the sequence; first row >= seqlen_q: no rows (the program
+    has nothing to do)."""
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens
+    num_m = gl.cdiv(max_seqlen_q, BLOCK_M)
+    pid = gl.program_id(0)
+    bh = pid // num_m
+    b = bh // nheads_q
+    q0 = gl.load(cu_seqlens_q + b)
+    seqlen_q = gl.load(cu_seqlens_q + b + 1) - q0
+    k0 = gl.load(cu_seqlens_k + b)
+    seqlen_k = gl.load(cu_seqlens_k + b + 1) - k0
+    diag = (seqlen_k - seqlen_q) * bottom_right
+    b, h, hk, row0, lo, n_tiles = _coords(bh, num_m - 1 - pid % num_m, seqlen_q, seqlen_k, nheads_q, group, diag,
+                                          window_left, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N)
+    return b, h, hk, row0, lo, n_tiles, q0, k0, seqlen_q, seqlen_k, diag
+
+
+@gluon.jit
 def _coords(bh, pid_m, seqlen_q, seqlen_k, nheads_q, group, diag, window_left, CAUSAL: gl.constexpr,
             HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """(b, h, hk, first row, first key tile, number of key tiles) of row tile `pid_m` of (batch,
@@ -433,15 +457,15 @@ def _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, o_tile, o_desc, o
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr,
-              O_TMA: gl.constexpr,
+def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.constexpr,
+              NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
               PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
               TAU: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem, window_left) = args
+     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem, window_left, cu_seqlens) = args
     s_layout: gl.constexpr = acc_layout(WG_ROWS, BLOCK_N, 4, 32 if FP8 else 16)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_tile = q_smem.index(WG)
@@ -477,61 +501,71 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constex
         if O_BUF:
             tma.store_wait(0)
     else:
-        b, h, hk, row0, lo, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, window_left, CAUSAL,
-                                                   HAS_LEFT, BLOCK_M, BLOCK_N)
-        qk_scale = _logit_scale(qk_scale, b, h, hk, descales, FP8)
-        row_lo = row0 + WG * WG_ROWS
-        rows = row_lo + gl.arange(0, WG_ROWS, layout=row_layout)
-        mbarrier.wait(q_bar, 0)
-        acc, m_i, l_i = _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_bar,
-                                rows, row_lo, lo, n_tiles, 0, seqlen_k, diag, window_left, qk_scale, WG, CAUSAL,
-                                HAS_LEFT, NEG_SCALE, PINGPONG, FP8, False, False, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                TAU)
-        # (With O_TMA, Q is no longer read: its buffer stages O for the TMA store.)
-        _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, q_tile, o_desc, o_ptr, stride_ob, stride_oh,
-                  stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales, O_TMA, FP8, False,
-                  HEAD_DIM)
+        live = True
+        if VARLEN:  # o and lse: batch strides 0, rows from the sequence's first query q0
+            b, h, hk, row0, lo, n_tiles, q0, k0, seqlen_q, seqlen_k, diag = _varlen_tile(
+                seqlen_q, nheads_q, group, diag, window_left, cu_seqlens, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N)
+            live = row0 < seqlen_q
+            o_ptr += q0.to(gl.int64) * stride_om
+            lse_ptr += q0.to(gl.int64) * stride_lm
+        else:
+            b, h, hk, row0, lo, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, window_left,
+                                                       CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N)
+        if live:
+            qk_scale = _logit_scale(qk_scale, b, h, hk, descales, FP8)
+            row_lo = row0 + WG * WG_ROWS
+            rows = row_lo + gl.arange(0, WG_ROWS, layout=row_layout)
+            mbarrier.wait(q_bar, 0)
+            acc, m_i, l_i = _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_bar,
+                                    rows, row_lo, lo, n_tiles, 0, seqlen_k, diag, window_left, qk_scale, WG, CAUSAL,
+                                    HAS_LEFT, NEG_SCALE, PINGPONG, FP8, False, False, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                    STAGES, TAU)
+            # (With O_TMA, Q is no longer read: its buffer stages O for the TMA store.)
+            _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, q_tile, o_desc, o_ptr, stride_ob, stride_oh,
+                      stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales, O_TMA, FP8, False,
+                      HEAD_DIM)
 
 
 @gluon.jit
-def _consumer0(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
-               PINGPONG: gl.constexpr,
+def _consumer0(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.constexpr, NEG_SCALE: gl.constexpr,
+               O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr):
-    _consumer(args, 0, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, BLOCK_M,
-              BLOCK_N, HEAD_DIM, STAGES, TAU)
+    _consumer(args, 0, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU)
 
 
 @gluon.jit
-def _consumer1(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
-               PINGPONG: gl.constexpr,
+def _consumer1(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.constexpr, NEG_SCALE: gl.constexpr,
+               O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr):
-    _consumer(args, 1, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, BLOCK_M,
-              BLOCK_N, HEAD_DIM, STAGES, TAU)
+    _consumer(args, 1, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU)
 
 
 @gluon.jit
-def _consumer2(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
-               PINGPONG: gl.constexpr,
+def _consumer2(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.constexpr, NEG_SCALE: gl.constexpr,
+               O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr):
-    _consumer(args, 2, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER, BLOCK_M,
-              BLOCK_N, HEAD_DIM, STAGES, TAU)
+    _consumer(args, 2, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
+              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU)
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, j, g,
+def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, j, g, k0,
              FP8: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """Key tile j of head (b, hk) into ring position g (stage g % STAGES, its use g // STAGES)."""
+    """Key tile j of head (b, hk) into ring position g (stage g % STAGES, its use g // STAGES);
+    its rows start at key k0 + j * BLOCK_N (k0: a varlen sequence's first key, else 0)."""
     stage = g % STAGES
     # A fresh mbarrier counts as having completed the phase before phase 0.
     mbarrier.wait(k_empty.index(stage), ((g // STAGES) & 1) ^ 1)
     mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(stage),
+    tma.async_copy_global_to_shared(k_desc, [b, hk, k0 + j * BLOCK_N, 0], k_ready.index(stage),
                                     k_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
     mbarrier.wait(v_empty.index(stage), ((g // STAGES) & 1) ^ 1)
     mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
@@ -539,19 +573,19 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
         tma.async_copy_global_to_shared(v_desc, [b, hk, 0, j * BLOCK_N], v_ready.index(stage),
                                         v_smem.index(stage).reshape([1, 1, HEAD_DIM, BLOCK_N]))
     else:
-        tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(stage),
+        tma.async_copy_global_to_shared(v_desc, [b, hk, k0 + j * BLOCK_N, 0], v_ready.index(stage),
                                         v_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
 
 
 @gluon.jit
-def _producer(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr,
-              PINGPONG: gl.constexpr,
+def _producer(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.constexpr, NEG_SCALE: gl.constexpr,
+              O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
               FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem, window_left) = args
+     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem, window_left, cu_seqlens) = args
     if PERSISTENT:
         num_bh = q_desc.shape[0] * nheads_q
         num_tiles = gl.cdiv(seqlen_q, BLOCK_M) * num_bh
@@ -561,7 +595,7 @@ def _producer(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.
                                                    window_left, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N, TILE_ORDER)
             # Key tile lo first: its stage frees before this tile's Q buffers do (they wait for
             # the previous tile's last S, or its O store), so it is in flight meanwhile.
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, lo, it,
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, lo, it, 0,
                      FP8, BLOCK_N, HEAD_DIM, STAGES)
             for wg in gl.static_range(BLOCK_M // WG_ROWS):
                 mbarrier.wait(q_empty.index(wg), (k & 1) ^ 1)
@@ -570,18 +604,28 @@ def _producer(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, NEG_SCALE: gl.
                                                 q_smem.index(wg).reshape([1, 1, WG_ROWS, HEAD_DIM]))
             for j in range(1, n_tiles):
                 _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, lo + j, it + j,
-                         FP8, BLOCK_N, HEAD_DIM, STAGES)
+                         0, FP8, BLOCK_N, HEAD_DIM, STAGES)
             it += n_tiles
     else:
-        b, h, hk, row0, lo, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, window_left, CAUSAL,
-                                                   HAS_LEFT, BLOCK_M, BLOCK_N)
-        mbarrier.expect(q_bar, (BLOCK_M // WG_ROWS) * q_desc.block_type.nbytes)
-        for wg in gl.static_range(BLOCK_M // WG_ROWS):
-            tma.async_copy_global_to_shared(q_desc, [b, h, row0 + wg * WG_ROWS, 0], q_bar,
-                                            q_smem.index(wg).reshape([1, 1, WG_ROWS, HEAD_DIM]))
-        for j in range(n_tiles):
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, lo + j, j,
-                     FP8, BLOCK_N, HEAD_DIM, STAGES)
+        q0 = 0
+        k0 = 0
+        live = True
+        if VARLEN:  # rows and keys of sequence b from q0 and k0 of the packed (1, H, total, D) views
+            b, h, hk, row0, lo, n_tiles, q0, k0, seqlen_q, seqlen_k, diag = _varlen_tile(
+                seqlen_q, nheads_q, group, diag, window_left, cu_seqlens, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N)
+            live = row0 < seqlen_q
+            b = 0
+        else:
+            b, h, hk, row0, lo, n_tiles = _tile_coords(seqlen_q, seqlen_k, nheads_q, group, diag, window_left,
+                                                       CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N)
+        if live:
+            mbarrier.expect(q_bar, (BLOCK_M // WG_ROWS) * q_desc.block_type.nbytes)
+            for wg in gl.static_range(BLOCK_M // WG_ROWS):
+                tma.async_copy_global_to_shared(q_desc, [b, h, q0 + row0 + wg * WG_ROWS, 0], q_bar,
+                                                q_smem.index(wg).reshape([1, 1, WG_ROWS, HEAD_DIM]))
+            for j in range(n_tiles):
+                _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hk, lo + j, j, k0,
+                         FP8, BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
@@ -589,17 +633,24 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
                   lse_ptr, stride_lb, stride_lh, stride_lm,
                   seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale,
                   qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh,
-                  vd_ptr, stride_vdb, stride_vdh, window_left,
+                  vd_ptr, stride_vdb, stride_vdh, window_left, cu_seqlens_q, cu_seqlens_k,
                   CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                   FP8: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                   PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, TILE_ORDER: gl.constexpr = 2,
-                  RESCALE_TAU: gl.constexpr = 0.0, HAS_LEFT: gl.constexpr = False):
+                  RESCALE_TAU: gl.constexpr = 0.0, HAS_LEFT: gl.constexpr = False, VARLEN: gl.constexpr = False):
     """RESCALE_TAU > 0: the lazy O rescale (`_attend`; 0: O is rescaled on every key tile).
     HAS_LEFT (with CAUSAL): a sliding window (window_left, 0), key j visible to row i when
     i + diag - window_left <= j <= i + diag; the key tiles left of a CTA tile's windows are not
     loaded (`_coords`).
+    VARLEN (one tile a program, fp16/bf16, O by per-thread stores): q/k/v/o are packed sequences
+    as (1, H, total, D) views, o and lse with batch strides 0; sequence b's rows are
+    cu_seqlens_q[b] .. cu_seqlens_q[b + 1] (keys: cu_seqlens_k), seqlen_q / seqlen_k are the
+    longest sequences (the grid covers seqlen_q's row tiles for every sequence: programs past their
+    sequence's end do nothing), and diag is 1 for bottom-right alignment, 0 for top-left
+    (`_varlen_tile`). A CTA tile's rows past its sequence's end (the next sequence's) are computed
+    but not stored; its keys past the end are masked as the last tile's always are.
     PERSISTENT: a grid of at most one program per SM, each running CTA tiles in turn (see
     `_my_tile`); O_BUF (with PERSISTENT and O_TMA): O is staged in its own buffer instead of
     Q's, so the next tile's Q loads while this tile's O is stored (`persistent_o_buffer`).
@@ -624,6 +675,7 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
     gl.static_assert(RESCALE_TAU >= 0, "RESCALE_TAU: a threshold in log2 units, >= 0")
     gl.static_assert(RESCALE_TAU == 0 or not FP8, "RESCALE_TAU: fp16/bf16 only (e4m3 P would overflow)")
     gl.static_assert(CAUSAL or not HAS_LEFT, "HAS_LEFT: a window (window_left, 0), so with CAUSAL")
+    gl.static_assert(not (VARLEN and (PERSISTENT or FP8 or O_TMA)), "VARLEN: one tile a program, 16-bit, O by stores")
     dtype: gl.constexpr = q_desc.dtype
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -668,27 +720,27 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
             stride_lh, stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
             seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale,
             (qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh, vd_ptr, stride_vdb,
-             stride_vdh), q_empty, o_smem, window_left)
+             stride_vdh), q_empty, o_smem, window_left, (cu_seqlens_q, cu_seqlens_k))
     # (The constexpr arguments are spelled out per partition: a tuple variable would not keep them constexpr.)
     if NUM_WG == 3:  # FA3's 192-row tile for small head dims: a third warpgroup hides more softmax
         gl.warp_specialize([
-            (_consumer0, (args, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
-            (_consumer1, (args, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
-            (_consumer2, (args, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
-            (_producer, (args, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer0, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
+            (_consumer1, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
+            (_consumer2, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
+            (_producer, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
+                         TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer0, (args, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
-            (_consumer1, (args, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
-            (_producer, (args, CAUSAL, HAS_LEFT, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer0, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
+            (_consumer1, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
+            (_producer, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
+                         TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -705,7 +757,8 @@ def _transposed(v):
 def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: float,
            block_m: int, block_n: int, num_stages: int, pingpong: bool = True,
            descales: tuple | None = None, persistent: bool = False, tile_order: int | None = None,
-           rescale_tau: float | None = None, window_left: int = -1) -> launch_cache.Planned | None:
+           rescale_tau: float | None = None, window_left: int = -1, cu_seqlens_q=None, cu_seqlens_k=None,
+           max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> launch_cache.Planned | None:
     """q/k/v: (B, H, S, D) views with 16-byte aligned strides; o: (B, Hq, Sq, D) view of any
     float dtype and strides (a TMA store when it is q's dtype and aligned); lse: (B, Hq, Sq) fp32.
 
@@ -725,9 +778,19 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     window_left >= 0 (with causal): the sliding window (window_left, 0), each row's keys from
     window_left before its diagonal to the diagonal (HAS_LEFT); -1: none.
 
+    cu_seqlens_q/k (int32 (B + 1,) prefix sums; one tile a program, fp16/bf16): packed sequences
+    (VARLEN), q/k/v/o (total, H, D), lse (Hq, total_q), max_seqlen_q/k the longest sequences;
+    masks align per sequence. No launch plan (the prefix sums' values change the work).
+
     Returns the launch plan this call ran or made (None: none): `Planned.launch(q, k, v, o, lse)`
     repeats it for inputs of the same metadata and the same scalar arguments."""
     fp8 = q.dtype == torch.float8_e4m3fn
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        return _launch_varlen(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              causal=causal, align_bottom_right=align_bottom_right, scale=scale, block_m=block_m,
+                              block_n=block_n, num_stages=num_stages, pingpong=pingpong, persistent=persistent,
+                              descales=descales, rescale_tau=rescale_tau, window_left=window_left)
     key = None
     if not fp8 and launch_cache.plans_enabled(fwd_ws_kernel):  # (fp8 transposes V and reads descales: no plan)
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
@@ -773,16 +836,48 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         fp8_args = (None, 0, 0, 1, None, 0, 0, None, 0, 0)
     # (after the tensors: every argument fixed by the key)
     tail = (seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE.value),
-            *fp8_args, max(window_left, -1))
+            *fp8_args, max(window_left, -1), None, None)  # (no cu_seqlens: not VARLEN)
     plan = launch_cache.make_plan(
         fwd_ws_kernel, grid, *_tensor_args(q, k, v, o, lse, block_n, o_tma, fp8), *tail,
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         PERSISTENT=persistent, O_BUF=o_buf, TILE_ORDER=tile_order if persistent and causal else 0,
-        RESCALE_TAU=tau, HAS_LEFT=window_left >= 0, num_warps=4, maxnreg=maxnreg,
+        RESCALE_TAU=tau, HAS_LEFT=window_left >= 0, VARLEN=False, num_warps=4, maxnreg=maxnreg,
     )
     return launch_cache.keep(_PLANS, key, plan, fwd_ws_kernel, tail,
                              _plan_tensors_o_tma if o_tma else _plan_tensors_no_o_tma)
+
+
+def _launch_varlen(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                   causal: bool, align_bottom_right: bool, scale: float, block_m: int, block_n: int,
+                   num_stages: int, pingpong: bool, persistent: bool, descales, rescale_tau: float | None,
+                   window_left: int) -> None:
+    """`launch` of packed sequences (VARLEN; see fwd_ws_kernel): (1, H, total, D) views of q/k/v,
+    o and lse addressed with batch stride 0 and rows offset per sequence in the kernel."""
+    if persistent or q.dtype == torch.float8_e4m3fn or descales is not None:
+        raise ValueError("varlen: the one-tile fp16/bf16 kernel only (persistent=False, no fp8 descales)")
+    if window_left >= 0 and not causal:
+        raise ValueError(f"window_left={window_left} needs causal=True: the window is (window_left, 0)")
+    batch = cu_seqlens_q.numel() - 1
+    nheads_q, head_dim = q.shape[1], q.shape[2]
+    nheads_k = k.shape[1]
+    q4, k4, v4, o4 = (t.permute(1, 0, 2)[None] for t in (q, k, v, o))
+    grid = (cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
+    maxnreg, consumer_regs, producer_regs = registers(block_m)
+    tau = float(default_rescale_tau(head_dim, False, False) if rescale_tau is None else rescale_tau)
+    check_rescale_tau(tau, False)
+    q_desc = descriptor(q4, WG_ROWS.value)
+    launch_cache.launch(
+        fwd_ws_kernel, grid, q_desc, descriptor(k4, block_n), descriptor(v4, block_n), q_desc,
+        o, 0, o.stride(1), o.stride(0), lse, 0, lse.stride(0), lse.stride(1),
+        max_seqlen_q, max_seqlen_k, nheads_q, nheads_q // nheads_k, int(align_bottom_right),
+        max(abs(scale) * LOG2E, TINY_SCALE.value), None, 0, 0, 1, None, 0, 0, None, 0, 0, max(window_left, -1),
+        cu_seqlens_q, cu_seqlens_k,
+        CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=False, PINGPONG=pingpong, FP8=False, BLOCK_M=block_m,
+        BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=producer_regs, PERSISTENT=False, O_BUF=False, TILE_ORDER=0, RESCALE_TAU=tau,
+        HAS_LEFT=window_left >= 0, VARLEN=True, num_warps=4, maxnreg=maxnreg)
+    return None
 
 
 def _tensor_args(q, k, v, o, lse, block_n: int, o_tma: bool, fp8: bool) -> tuple:
@@ -824,12 +919,14 @@ def check_rescale_tau(tau: float, fp8: bool) -> None:
 
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
                  causal: bool, pingpong: bool, persistent: bool = False, tile_order: int = 2,
-                 rescale_tau: float | None = None, window: bool = False) -> tuple[dict, dict, dict]:
+                 rescale_tau: float | None = None, window: bool = False,
+                 varlen: bool = False) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `fwd_ws_kernel` as `launch` calls it, for an
     ahead-of-time compile (fmha kernels build) without a GPU. dtype: "fp16", "bf16" or
     "fp8e4nv" (bf16 output). persistent: the kernel `launch(..., persistent=True)` runs.
     rescale_tau: the RESCALE_TAU constexpr (None: `default_rescale_tau`, as launch). window: the
-    kernel of a sliding window (HAS_LEFT; with causal)."""
+    kernel of a sliding window (HAS_LEFT; with causal). varlen: the packed-sequence kernel (VARLEN,
+    one tile a program, 16-bit, O by per-thread stores)."""
     fp8 = dtype == "fp8e4nv"
 
     def desc(rows, cols=head_dim):
@@ -840,11 +937,11 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
              "v_desc": desc(head_dim, block_n) if fp8 else desc(block_n),
              "o_desc": desc(WG_ROWS.value), "o_ptr": f"*{out}", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     maxnreg, consumer_regs, producer_regs = registers(block_m)
-    constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=not fp8, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
-                      BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
-                      PRODUCER_REGS=producer_regs, PERSISTENT=persistent,
+    constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=not (fp8 or varlen), PINGPONG=pingpong, FP8=fp8,
+                      BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
+                      CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PERSISTENT=persistent,
                       O_BUF=persistent and not fp8 and persistent_o_buffer(head_dim, block_m, block_n, num_stages),
-                      TILE_ORDER=tile_order if persistent and causal else 0, HAS_LEFT=window)
+                      TILE_ORDER=tile_order if persistent and causal else 0, HAS_LEFT=window, VARLEN=varlen)
     tau = float(default_rescale_tau(head_dim, persistent, fp8) if rescale_tau is None else rescale_tau)
     check_rescale_tau(tau, fp8)
     constexprs["RESCALE_TAU"] = tau
@@ -852,6 +949,10 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
         types.update(qd_ptr="*fp32", kd_ptr="*fp32", vd_ptr="*fp32")
     else:
         constexprs.update(qd_ptr=None, kd_ptr=None, vd_ptr=None)
+    if varlen:
+        types.update(cu_seqlens_q="*i32", cu_seqlens_k="*i32")
+    else:
+        constexprs.update(cu_seqlens_q=None, cu_seqlens_k=None)
     # In the kernel's argument order; the other arguments are strides and sizes (i32).
     signature = {name: types.get(name, "i32") for name in fwd_ws_kernel.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
