@@ -91,9 +91,10 @@ def test_windows_with_a_right_edge_keep_the_triton_backward(window):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("mask", [dict(), dict(causal=True), dict(window=(100, 0))])
-def test_varlen_gets_the_one_tile_gluon_forward(head_dim, mask):
-    """Packed sequences run on the one-tile Gluon forward (VARLEN); the persistent config refuses
-    them and explain says why; with seqused_k, or in fp8, the Triton forward."""
+def test_varlen_gets_the_one_tile_gluon_kernels(head_dim, mask):
+    """Packed sequences run on the one-tile Gluon forward and warp-specialized dK/dV (VARLEN); the
+    persistent configs refuse them and explain says why; with seqused_k, or in fp8, the Triton
+    forward; deterministic, the Triton backward."""
     problem = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, varlen=True, **mask)
     config = _fwd_config(problem)
     assert config.algorithm.pipeline.is_gluon and not config.algorithm.persistent
@@ -102,6 +103,11 @@ def test_varlen_gets_the_one_tile_gluon_forward(head_dim, mask):
     assert "refused" in persistent and "varlen" in persistent, persistent
     for other in (problem.with_(seqused_k=True), problem.with_(dtype=DType.FP8_E4M3)):
         assert _fwd_config(other).algorithm.pipeline == Pipeline.TRITON
+    dispatcher = Dispatcher(default_registry())
+    dkdv = dispatcher.plan_backward(problem).config(Family.BWD_DQ_DK_DV)
+    assert dkdv.algorithm.pipeline == Pipeline.GLUON_WS and not dkdv.algorithm.persistent
+    for other in (problem.with_(seqused_k=True), problem.with_(deterministic=True)):
+        assert dispatcher.plan_backward(other).config(Family.BWD_DQ_DK_DV).algorithm.pipeline == Pipeline.TRITON
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -674,6 +674,9 @@ VARLEN_LENGTHS = {
     "mixed": ([1, 0, 777, 2048, 33, 300], [9, 5, 1000, 2048, 0, 129]),
     "equal": ([1024] * 3, [1024] * 3),
     "docs": ([2000, 100, 3000, 1, 700], [2000, 100, 3000, 1, 700]),
+    # sequences starting off 4-row boundaries with a total that is a multiple of 4 (the
+    # features suite's case: a TMA copy of LSE rows from such a start faulted)
+    "odd_starts": ([3, 1021, 5, 1019], [3, 1021, 5, 1019]),
 }
 
 
@@ -744,4 +747,80 @@ def test_gluon_varlen_forward_features_suite_shape(rng, monkeypatch):
     calls = _varlen_launches(monkeypatch)
     lens = [3072, 1024, 4096, 512, 2048, 1536, 2560, 1536]
     _check_varlen_forward(rng, torch.bfloat16, 128, lens, lens, 32, 8, causal=True)
+    assert len(calls) == 1
+
+
+def _varlen_backward_launches(monkeypatch):
+    """Count bwd_gluon's varlen dK/dV launches (the dispatcher picked the Gluon dK/dV kernel)."""
+    from fmha.kernels import bwd_gluon
+
+    calls = []
+    real = bwd_gluon._launch_dkdv_varlen
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bwd_gluon, "_launch_dkdv_varlen", spy)
+    return calls
+
+
+def _check_varlen_backward(rng, dtype, head_dim, lens_q, lens_k, hq, hk, **kw):
+    """dq, dk, dv of fmha.attention_varlen against float64 autograd of each sequence alone (the
+    2x rule against the same math at the inputs' dtype, `numerics.compare`)."""
+    from fmha import numerics
+    from fmha.numerics import torch_attention
+
+    from attn_testing import randn
+
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+                  for n in (lens_q, lens_k))
+    q = randn((sum(lens_q), hq, head_dim), dtype, rng, CUDA).requires_grad_()
+    k = randn((sum(lens_k), hk, head_dim), dtype, rng, CUDA).requires_grad_()
+    v = randn((sum(lens_k), hk, head_dim), dtype, rng, CUDA).requires_grad_()
+    o = fmha.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
+    do = randn(o.shape, dtype, rng, CUDA)
+    ours = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(o, (q, k, v), do), strict=True))
+    want = {n: torch.zeros_like(t, dtype=torch.float64) for n, t in (("dq", q), ("dk", k), ("dv", v))}
+    base = {n: torch.zeros_like(t) for n, t in (("dq", q), ("dk", k), ("dv", v))}
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        if sq == 0 or sk == 0:  # no pairs: every gradient of the sequence is 0
+            continue
+        rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        for dt, into in ((torch.float64, want), (None, base)):
+            qs, ks, vs = ((t[s].detach().to(dt or dtype).transpose(0, 1)[None]).requires_grad_()
+                          for t, s in ((q, rows), (k, keys), (v, keys)))
+            out, _ = torch_attention(qs, ks, vs, compute_dtype=dt, **kw)
+            grads = torch.autograd.grad(out, (qs, ks, vs), do[rows].to(out.dtype).transpose(0, 1)[None])
+            for n, g, s in zip(("dq", "dk", "dv"), grads, (rows, keys, keys), strict=True):
+                into[n][s] = g[0].transpose(0, 1).to(into[n].dtype)
+    for n in ("dq", "dk", "dv"):
+        c = numerics.compare(n, ours[n], want[n], base[n], dtype)
+        assert c.ok, str(c)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left", "window"])
+@pytest.mark.parametrize("lengths", list(VARLEN_LENGTHS))
+def test_gluon_varlen_backward(rng, monkeypatch, dtype, head_dim, mask, lengths):
+    """Varlen on the one-tile warp-specialized Gluon dK/dV kernel (VARLEN): GQA 4:2 (MQA at
+    D=256), masks aligned per sequence, a window (100, 0), empty sequences on either side, against
+    float64 per sequence."""
+    calls = _varlen_backward_launches(monkeypatch)
+    lens_q, lens_k = VARLEN_LENGTHS[lengths]
+    kw = {"none": {}, "causal": dict(causal=True), "causal_top_left": dict(causal=True, mask_align="top_left"),
+          "window": dict(window=(100, 0))}[mask]
+    _check_varlen_backward(rng, dtype, head_dim, lens_q, lens_k, 4, 1 if head_dim == 256 else 2, **kw)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dq", ["tma", "atomics"])
+def test_gluon_varlen_backward_features_suite_shape(rng, monkeypatch, dq):
+    """The features suite's varlen shape (8 causal documents in 16384 tokens, Hq=32 Hk=8), dQ by TMA
+    reduce-add and by the writer's red.v4; an odd total (LSE/delta not TMA-aligned)."""
+    _change_bwd_shape(monkeypatch, "gluon_ws", 128, {"dq_tma": int(dq == "tma")})
+    calls = _varlen_backward_launches(monkeypatch)
+    lens = [3072, 1024, 4096, 511, 2048, 1536, 2560, 1536]
+    _check_varlen_backward(rng, torch.bfloat16, 128, lens, lens, 32, 8, causal=True)
     assert len(calls) == 1

@@ -87,9 +87,14 @@ def test_every_argument_the_launchers_pass_has_a_key(monkeypatch):
     fwd_gluon.launch(packed, packed, packed, torch.empty_like(packed), torch.empty(h, b * s), causal=True,
                      align_bottom_right=True, scale=0.1, block_m=128, block_n=128, num_stages=2,
                      cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=b * s - 100, max_seqlen_k=b * s - 100)
+    bwd_gluon.launch_dkdv(packed, packed, packed, packed, torch.empty(h, b * s), torch.empty(h, b * s),
+                          torch.empty_like(packed), torch.empty_like(packed), torch.zeros(b * s, h, d), causal=True,
+                          align_bottom_right=True, scale=0.1, block_m=64, block_n=128, num_stages=3,
+                          warp_specialized=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=b * s - 100,
+                          max_seqlen_k=b * s - 100)
     bwd.launch_dot_do_o(o, do, lse, delta, batch=b, max_seqlen_q=s, block_m=64, num_warps=4, num_stages=1)
     bwd.launch_convert_dq(torch.zeros(b, h, s, d), torch.empty_like(q), scale=0.1, block_m=64, num_warps=4)
-    assert len(seen) == 8
+    assert len(seen) == 9
     for kernel, grid, args, kwargs in seen:
         assert all(isinstance(g, int) for g in grid)
         hash((tuple(map(launch_cache._key_of, args)), tuple(kwargs.items())))  # keys and hashes

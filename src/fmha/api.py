@@ -316,7 +316,8 @@ def _launch_dkdv(prep: _Prepared, config: KernelConfig, do_view: Tensor, lse: Te
             causal=p.window[1] == 0, align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT,
             scale=prep.scale, block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages,
             num_warps=a.num_warps, warp_specialized=a.pipeline == Pipeline.GLUON_WS,
-            persistent=a.persistent, window_left=p.window[0])
+            persistent=a.persistent, window_left=p.window[0],
+            **({key: kernel_args[key] for key in _VARLEN_ARGS} if p.varlen else {}))
     else:
         family_module("bwd", interpreted=prep.q.device.type == "cpu").launch_dkdv(
             prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view, dq_acc=dq_acc_view, dbias=dbias,

@@ -246,18 +246,21 @@ def default_registry() -> Registry:
     m128_halves = ws_bwd + ", 128-query stages in two halves"
     # The one-tile dK/dV configs also take sliding windows (left, 0) (bwd_gluon's LEFT_WINDOW: a key
     # tile's loop ends at the last query tile whose windows reach it); the persistent one refuses them.
+    # The one-tile warp-specialized ones also take varlen (VARLEN: packed sequences, rows offset per
+    # sequence in the kernel, dK/dV by per-thread stores).
     lw = dict(left_window=True)
+    ws_varlen = dict(lw, features=_GLUON_FEATURES | {Feature.VARLEN})
     configs += [_gluon_config(Family.BWD_DQ_DK_DV, 64, 128, 128, 8, 2, Pipeline.GLUON_WS,
                               m128_halves + ", persistent", persistent=True),
-                _gluon_config(Family.BWD_DQ_DK_DV, 64, 128, 128, 8, 2, Pipeline.GLUON_WS, m128_halves, **lw),
+                _gluon_config(Family.BWD_DQ_DK_DV, 64, 128, 128, 8, 2, Pipeline.GLUON_WS, m128_halves, **ws_varlen),
                 _gluon_config(Family.BWD_DQ_DK_DV, 64, 64, 128, 8, 3, Pipeline.GLUON, bwd_notes, **lw),
-                _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 3, Pipeline.GLUON_WS, ws_bwd, **lw),
+                _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 3, Pipeline.GLUON_WS, ws_bwd, **ws_varlen),
                 _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 2, Pipeline.GLUON, bwd_notes, **lw),
                 # D=256: 64 keys (dK and dV take 128 registers a thread), dQ in two halves;
                 # warp-specialized with dQ staged in the consumed Q/dO stage, 1.06x cuDNN where
                 # the other ran 0.945x (H200, 2026-11-30, attempt 36).
                 _gluon_config(Family.BWD_DQ_DK_DV, 256, 64, 64, 8, 2, Pipeline.GLUON_WS,
-                              ws_bwd + ", dQ halves staged in the consumed Q/dO stage", **lw),
+                              ws_bwd + ", dQ halves staged in the consumed Q/dO stage", **ws_varlen),
                 _gluon_config(Family.BWD_DQ_DK_DV, 256, 64, 64, 8, 2, Pipeline.GLUON, bwd_notes, **lw)]
     configs += _family_configs(Family.BWD_DQ_DK_DV, [
         # H200, 2026-11-29: m32 n64 w4 s3 runs 256/223 TFLOP/s (m64 n128 w8 s2: 152/116), but

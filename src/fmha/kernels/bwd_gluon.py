@@ -54,15 +54,16 @@ WORKER_REGS = gl.constexpr(24)
 
 @gluon.jit
 def _load_tile(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, stat_ready, it,
-               m_start, n_m, hq0, b, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr):
+               m_start, n_m, hq0, b, q0, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr):
     """TMA loads of the Q and dO tiles of iteration `it` (query head, query tile) into its stage,
     and with STATS_TMA its LSE and delta rows (zero past seqlen_q). LSE/delta signal their own
     barrier, their copies interleaved with Q/dO's: Triton's shared-memory barrier analysis puts
     a CTA barrier between two TMA copies on the same mbarrier, none between copies on different
-    ones (so the loop keeps its 4 CTA barriers; one mbarrier for all four copies makes it 6)."""
+    ones (so the loop keeps its 4 CTA barriers; one mbarrier for all four copies makes it 6).
+    q0: the rows' offset (a varlen sequence's first query; else 0)."""
     stage = it % STAGES
     h = hq0 + it // n_m
-    m0 = (m_start + it % n_m) * BLOCK_M
+    m0 = q0 + (m_start + it % n_m) * BLOCK_M
     bar = ready.index(stage)
     mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     if STATS_TMA:
@@ -141,6 +142,62 @@ def _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL: gl
         m_end = gl.minimum(m_end, gl.maximum(last + BLOCK_M, 0) // BLOCK_M)
     n_m = gl.maximum(m_end - m_start, 0)
     return b, hk, hk * group, n0, m_start, n_m
+
+
+@gluon.jit
+def _varlen_key_tile(args, stride_lm, stride_dem, CAUSAL: gl.constexpr, STATS_TMA: gl.constexpr,
+                     DQ_TMA: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """`_key_tile` of a varlen launch (VARLEN): the grid covers the longest sequence's key tiles
+    (args' seqlen_k) for every (sequence, KV head); sequence b's queries start at q0 =
+    cu_seqlens_q[b], its keys at k0 = cu_seqlens_k[b], and args' diag is 1 for bottom-right
+    alignment, 0 for top-left. Returns (0 (the TMA batch coordinate of the (1, H, total, D) views),
+    KV head, first query head, first key, first query tile, query tiles per head, q0, k0, the
+    sequence's keys, args of the sequence): its lengths and diagonal in args, and the pointers
+    read per thread moved to its first query (LSE and delta by their row strides stride_lm,
+    stride_dem without STATS_TMA; dq_acc without DQ_TMA). A key tile past the sequence's keys has
+    no query tiles. (The query range repeats `_key_tile`'s, per sequence.)"""
+    (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+     seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens
+    num_n = gl.cdiv(seqlen_k, BLOCK_N)
+    pid = gl.program_id(0)
+    bh = pid // num_n
+    n0 = (pid % num_n) * BLOCK_N
+    b = bh // nheads_k
+    hk = bh % nheads_k
+    q0 = gl.load(cu_seqlens_q + b)
+    seq_q = gl.load(cu_seqlens_q + b + 1) - q0
+    k0 = gl.load(cu_seqlens_k + b)
+    seq_k = gl.load(cu_seqlens_k + b + 1) - k0
+    seq_diag = (seq_k - seq_q) * diag
+    m_start = 0
+    if CAUSAL:
+        m_start = gl.maximum(n0 - seq_diag, 0) // BLOCK_M
+    m_end = gl.cdiv(seq_q, BLOCK_M)
+    if CAUSAL == LEFT_WINDOW:
+        last = gl.minimum(n0 + BLOCK_N, seq_k) - 1 - seq_diag + window_left
+        m_end = gl.minimum(m_end, gl.maximum(last + BLOCK_M, 0) // BLOCK_M)
+    n_m = gl.where(n0 < seq_k, gl.maximum(m_end - m_start, 0), 0)
+    if not STATS_TMA:
+        lse += q0.to(gl.int64) * stride_lm
+        delta += q0.to(gl.int64) * stride_dem
+    if not DQ_TMA:
+        dq_acc += q0.to(gl.int64) * stride_dqm
+    args = (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
+            seq_q, seq_k, nheads_k, group, seq_diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+            ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens)
+    return b * 0, hk, hk * group, n0, m_start, n_m, q0, k0, seq_k, args
+
+
+@gluon.jit
+def _varlen_out_args(out_args, k0):
+    """out_args with dK's and dV's pointers at a varlen sequence's first key (their batch strides
+    are 0)."""
+    (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+     qk_scale, scale) = out_args
+    return (dk_ptr + k0.to(gl.int64) * stride_dkn, dv_ptr + k0.to(gl.int64) * stride_dvn, stride_dkb, stride_dkh,
+            stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, scale)
 
 
 @gluon.jit
@@ -305,7 +362,7 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr,
     for i in gl.static_range(STAGES - 1):
         if i < total:
             _load_tile(q_desc, do_desc, lse, delta, q_smem, do_smem, lse_smem, delta_smem, ready, stat_ready, i,
-                       m_start, n_m, hq0, b, BLOCK_M, STAGES, STATS_TMA)
+                       m_start, n_m, hq0, b, 0, BLOCK_M, STAGES, STATS_TMA)
 
     keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
@@ -345,7 +402,7 @@ def bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_ptr,
         gl.thread_barrier()  # dS^T complete in shared memory; every warp is past iteration it-1
         if it + STAGES - 1 < total:  # the stage of iteration it-1 is free: prefetch ahead
             _load_tile(q_desc, do_desc, lse, delta, q_smem, do_smem, lse_smem, delta_smem, ready, stat_ready,
-                       it + STAGES - 1, m_start, n_m, hq0, b, BLOCK_M, STAGES, STATS_TMA)
+                       it + STAGES - 1, m_start, n_m, hq0, b, 0, BLOCK_M, STAGES, STATS_TMA)
         dq_rows = m0 + dq_rows_base
         if not DQ_TMA:
             dq_base = dq_acc + (b.to(gl.int64) * stride_dqb + h * stride_dqh + dq_rows[:, None] * stride_dqm
@@ -487,20 +544,26 @@ def _ring_step(base, j, hq0, m_start, n_m, BLOCK_M: gl.constexpr, BUFS: gl.const
 
 @gluon.jit
 def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, STATS_TMA: gl.constexpr):
+               STAGES: gl.constexpr, STATS_TMA: gl.constexpr, VARLEN: gl.constexpr = False):
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
-                                             BLOCK_M, BLOCK_N)
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
+    q0 = 0
+    k0 = 0
+    if VARLEN:  # (TMA only: no pointer offsets)
+        b, hk, hq0, n0, m_start, n_m, q0, k0, _, _ = _varlen_key_tile(args, 0, 0, CAUSAL, True, True, BLOCK_M,
+                                                                      BLOCK_N)
+    else:
+        b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
+                                                 BLOCK_M, BLOCK_N)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem.reshape(k_desc.block_type.shape))
-    tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem.reshape(v_desc.block_type.shape))
+    tma.async_copy_global_to_shared(k_desc, [b, hk, k0 + n0, 0], kv_bar, k_smem.reshape(k_desc.block_type.shape))
+    tma.async_copy_global_to_shared(v_desc, [b, hk, k0 + n0, 0], kv_bar, v_smem.reshape(v_desc.block_type.shape))
     for it in range(group * n_m):
         # A fresh mbarrier counts as having completed the phase before phase 0.
         mbarrier.wait(empty.index(it % STAGES), ((it // STAGES) & 1) ^ 1)
         _load_tile(q_desc, do_desc, lse, delta, q_smem, do_smem, lse_smem, delta_smem, ready, stat_ready, it,
-                   m_start, n_m, hq0, b, BLOCK_M, STAGES, STATS_TMA)
+                   m_start, n_m, hq0, b, q0, BLOCK_M, STAGES, STATS_TMA)
 
 
 @gluon.jit
@@ -514,7 +577,7 @@ def _ws_loader_persistent(args, kv_empty, CAUSAL: gl.constexpr, BLOCK_M: gl.cons
     keeps streaming across the tile border."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     num_bh = k_desc.shape[0] * nheads_k
     it = 0
     for k in range(fwd_gluon._my_tile_count(gl.cdiv(seqlen_k, BLOCK_N) * num_bh, CAUSAL, TILE_ORDER)):
@@ -561,15 +624,16 @@ def _quad_offsets(stride_dqm):
 
 
 @gluon.jit
-def _add_dq(dq_acc, bufs, b, h, m0, seqlen_q, stride_dqb, stride_dqh, stride_dqm, block_rows, offsets,
+def _add_dq(dq_acc, bufs, b, h, m0, q0, seqlen_q, stride_dqb, stride_dqh, stride_dqm, block_rows, offsets,
             BLOCK_M: gl.constexpr, COLS: gl.constexpr, DQ_TMA: gl.constexpr):
     """Adds a handed-over dQ tile to dq_acc: `bufs`, fp32 BLOCK_M x COLS buffers of consecutive
     column ranges (the whole tile, or D=256's two halves). With DQ_TMA one TMA reduce-add a buffer,
     waited for; else red.v4 blocks (block_rows, offsets: `_quad_offsets`), the buffers' blocks
-    interleaved."""
+    interleaved. q0: the TMA rows' offset (a varlen sequence's first query; else 0; the pointers
+    of the red.v4 path are offset by the caller)."""
     if DQ_TMA:
         for i in gl.static_range(len(bufs)):
-            tma_reduce_add(dq_acc, [b, h, m0, i * COLS], bufs[i].reshape(dq_acc.block_type.shape))
+            tma_reduce_add(dq_acc, [b, h, q0 + m0, i * COLS], bufs[i].reshape(dq_acc.block_type.shape))
         tma.store_wait(0)
     else:
         layout: gl.constexpr = _quad_layout()
@@ -584,7 +648,7 @@ def _add_dq(dq_acc, bufs, b, h, m0, seqlen_q, stride_dqb, stride_dqh, stride_dqm
 
 @gluon.jit
 def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_TMA: gl.constexpr):
+                  HEAD_DIM: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_TMA: gl.constexpr, VARLEN: gl.constexpr = False):
     """Adds each handed-over dQ tile to dq_acc: with DQ_TMA by one TMA reduce-add of the
     buffer, released once the copy engine has read it; else in blocks of 8 rows x 32 columns
     (one swizzle atom of the fp32 buffer: 8 rows of 128 bytes), one quad of consecutive columns
@@ -592,10 +656,15 @@ def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl
     more than one quad a thread."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
-                                             BLOCK_M, BLOCK_N)
-    _ws_dq_writer_tile(args, b, hq0, m_start, n_m, 0, BLOCK_M, HEAD_DIM, DQ_BUFS, DQ_TMA)
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
+    q0 = 0
+    if VARLEN:
+        b, hk, hq0, n0, m_start, n_m, q0, k0, _, args = _varlen_key_tile(args, 0, 0, CAUSAL, True, DQ_TMA, BLOCK_M,
+                                                                         BLOCK_N)
+    else:
+        b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
+                                                 BLOCK_M, BLOCK_N)
+    _ws_dq_writer_tile(args, b, hq0, m_start, n_m, 0, q0, BLOCK_M, HEAD_DIM, DQ_BUFS, DQ_TMA)
 
 
 @gluon.jit
@@ -607,31 +676,31 @@ def _ws_dq_writer_persistent(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, 
     buffers (the ring's stages) count on across key tiles."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     num_bh = k_desc.shape[0] * nheads_k
     it = 0
     for k in range(fwd_gluon._my_tile_count(gl.cdiv(seqlen_k, BLOCK_N) * num_bh, CAUSAL, TILE_ORDER)):
         b, hk, hq0, n0, m_start, n_m = _my_key_tile(k, num_bh, seqlen_q, seqlen_k, nheads_k, group, diag, CAUSAL,
                                                     BLOCK_M, BLOCK_N, TILE_ORDER)
         if DQ_ALIAS:
-            _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, it, BLOCK_M, STAGES, DQ_COLS, DQ_TMA)
+            _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, it, 0, BLOCK_M, STAGES, DQ_COLS, DQ_TMA)
         else:
-            _ws_dq_writer_tile(args, b, hq0, m_start, n_m, it, BLOCK_M, HEAD_DIM, DQ_BUFS, DQ_TMA)
+            _ws_dq_writer_tile(args, b, hq0, m_start, n_m, it, 0, BLOCK_M, HEAD_DIM, DQ_BUFS, DQ_TMA)
         it += group * n_m
 
 
 @gluon.jit
-def _ws_dq_writer_tile(args, b, hq0, m_start, n_m, base, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _ws_dq_writer_tile(args, b, hq0, m_start, n_m, base, q0, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                        DQ_BUFS: gl.constexpr, DQ_TMA: gl.constexpr):
     """The writer's work for one key tile: its iterations j take hand-over `base + j`."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     block_rows, offsets = _quad_offsets(stride_dqm)
     for j in range(group * n_m):
         it, buf, phase, h, m0 = _ring_step(base, j, hq0, m_start, n_m, BLOCK_M, DQ_BUFS)
         mbarrier.wait(dq_full.index(buf), phase)
-        _add_dq(dq_acc, (dq_smem.index(buf),), b, h, m0, seqlen_q, stride_dqb, stride_dqh, stride_dqm, block_rows,
+        _add_dq(dq_acc, (dq_smem.index(buf),), b, h, m0, q0, seqlen_q, stride_dqb, stride_dqh, stride_dqm, block_rows,
                 offsets, BLOCK_M, HEAD_DIM, DQ_TMA)
         gl.thread_barrier()  # both warps have read the buffer (or waited for the copy engine)
         mbarrier.arrive(dq_empty.index(buf), count=1)
@@ -658,15 +727,20 @@ def _ws_tile_start(kv_bar, kv_phase, n0, BLOCK_N: gl.constexpr, S_COLS: gl.const
 @gluon.jit
 def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
-                DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr):
+                DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr, VARLEN: gl.constexpr = False):
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
-                                             BLOCK_M, BLOCK_N)
+    if VARLEN:
+        b, hk, hq0, n0, m_start, n_m, q0, k0, seqlen_k, args = _varlen_key_tile(args, stride_lm, stride_dem, CAUSAL,
+                                                                                STATS_TMA, DQ_TMA, BLOCK_M, BLOCK_N)
+        out_args = _varlen_out_args(out_args, k0)
+    else:
+        b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
+                                                 BLOCK_M, BLOCK_N)
     dk, dv = _ws_compute_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL, BLOCK_M,
                               BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)
     _ws_store_dkdv(dk, dv, out_args, k_smem, v_smem, b, hk, n0, seqlen_k, BLOCK_N, HEAD_DIM, DKDV_TMA)
@@ -680,7 +754,7 @@ def _ws_probs(args, lse_strides, qk_scale, st_zero, keys, b, n0, stage, phase, h
     tile, queries, P^T, dP^T still in flight)."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     st_layout: gl.constexpr = acc_layout(BLOCK_N, BLOCK_M, gl.num_warps())  # S^T, dP^T: keys x queries
     q_tile = q_smem.index(stage)
@@ -704,7 +778,7 @@ def _ws_compute_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 
     Returns the unscaled dK and dV; when it returns, every product reading K and V is done."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     dtype: gl.constexpr = q_desc.dtype
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -769,7 +843,8 @@ def _stat_half(ptr, smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q,
 @gluon.jit
 def _ws_compute_m128(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
-                     DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr):
+                     DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr,
+                     VARLEN: gl.constexpr = False):
     """`_ws_compute` for 128-query stages (BLOCK_M = 128, FlashAttention-3's D=64 tile), worked
     in two 64-query halves so that S^T and dP^T (and P^T, dS^T) of one half only are live:
 
@@ -783,12 +858,17 @@ def _ws_compute_m128(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M:
     S^T/dP^T run on the tensor cores while half 0's softmax ends and dS^T_0 is stored."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
-                                             BLOCK_M, BLOCK_N)
+    if VARLEN:
+        b, hk, hq0, n0, m_start, n_m, q0, k0, seqlen_k, args = _varlen_key_tile(args, stride_lm, stride_dem, CAUSAL,
+                                                                                STATS_TMA, DQ_TMA, BLOCK_M, BLOCK_N)
+        out_args = _varlen_out_args(out_args, k0)
+    else:
+        b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
+                                                 BLOCK_M, BLOCK_N)
     dk, dv = _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL, BLOCK_M,
                                    BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)
     _ws_store_dkdv(dk, dv, out_args, k_smem, v_smem, b, hk, n0, seqlen_k, BLOCK_N, HEAD_DIM, DKDV_TMA)
@@ -804,7 +884,7 @@ def _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, 
     Returns the unscaled dK and dV; when it returns, every product reading K and V is done."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     HALF: gl.constexpr = BLOCK_M // 2
     gl.static_assert(HALF == 64, "two 64-query halves")
@@ -866,15 +946,15 @@ def _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, 
 def _ws_compute_partition(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                           STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr,
-                          DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr):
+                          DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr, VARLEN: gl.constexpr = False):
     """The compute partition: 128-query stages in two 64-query halves (`_ws_compute_m128`) or
     64-query stages (`_ws_compute`)."""
     if BLOCK_M == 128:
         _ws_compute_m128(args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
-                         DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA)
+                         DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA, VARLEN)
     else:
         _ws_compute(args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
-                    DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA)
+                    DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA, VARLEN)
 
 
 @gluon.jit
@@ -894,7 +974,7 @@ def _ws_compute_persistent(args, kv_empty, lse_strides, out_args, p_smem, dkdv_s
     the buffers are written again."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
     kv_layout: gl.constexpr = acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())  # dK, dV
@@ -937,7 +1017,7 @@ def _ws_compute_persistent(args, kv_empty, lse_strides, out_args, p_smem, dkdv_s
 def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
                      DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr,
-                     DKDV_TMA: gl.constexpr):
+                     DKDV_TMA: gl.constexpr, VARLEN: gl.constexpr = False):
     """`_ws_compute` for D=256 (DQ_ALIAS): bwd_dkdv_kernel's 64 keys x 64 queries on 8 warps
     (warpgroup w: S^T/dP^T of queries 32w..32w+31, dK/dV of head-dim columns 128w..128w+127; P^T
     and dS^T reach the other warpgroup's queries through shared memory), dQ in two column
@@ -958,12 +1038,17 @@ def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, 
     tile against 4)."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
-                                             BLOCK_M, BLOCK_N)
+    if VARLEN:
+        b, hk, hq0, n0, m_start, n_m, q0, k0, seqlen_k, args = _varlen_key_tile(args, stride_lm, stride_dem, CAUSAL,
+                                                                                STATS_TMA, DQ_TMA, BLOCK_M, BLOCK_N)
+        out_args = _varlen_out_args(out_args, k0)
+    else:
+        b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
+                                                 BLOCK_M, BLOCK_N)
     dk, dv = _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY,
                                    PS_SMEM)
@@ -981,7 +1066,7 @@ def _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m
     unscaled dK and dV; when it returns, every product reading K and V is done."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem = lse_strides
     gl.static_assert(2 * DQ_COLS == HEAD_DIM, "dQ halves staged in the Q and dO buffers")
     dtype: gl.constexpr = q_desc.dtype
@@ -1043,25 +1128,31 @@ def _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m
 
 @gluon.jit
 def _ws_dq_writer_alias(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
+                        STAGES: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr,
+                        VARLEN: gl.constexpr = False):
     """`_ws_dq_writer` for `_ws_compute_d256`: dQ's two column halves lie in the stage's Q and
     dO buffers (fp32, BLOCK_M x DQ_COLS each); after adding them (two TMA reduce-adds, or the
     red.v4 blocks of `_ws_dq_writer`) the writer, not the compute warps, releases the stage."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
-    b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
-                                             BLOCK_M, BLOCK_N)
-    _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, 0, BLOCK_M, STAGES, DQ_COLS, DQ_TMA)
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
+    q0 = 0
+    if VARLEN:
+        b, hk, hq0, n0, m_start, n_m, q0, k0, _, args = _varlen_key_tile(args, 0, 0, CAUSAL, True, DQ_TMA, BLOCK_M,
+                                                                         BLOCK_N)
+    else:
+        b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
+                                                 BLOCK_M, BLOCK_N)
+    _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, 0, q0, BLOCK_M, STAGES, DQ_COLS, DQ_TMA)
 
 
 @gluon.jit
-def _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, base, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+def _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, base, q0, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                              DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr):
     """The alias writer's work for one key tile: its iterations j take ring use `base + j`."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left) = args
+     ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
     block_rows, offsets = _quad_offsets(stride_dqm)
     for j in range(group * n_m):
@@ -1069,7 +1160,7 @@ def _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, base, BLOCK_M: gl.const
         mbarrier.wait(dq_full.index(stage), phase)
         dq_half0 = q_smem.index(stage)._reinterpret(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout)
         dq_half1 = do_smem.index(stage)._reinterpret(gl.float32, [BLOCK_M, DQ_COLS], dq_smem_layout)
-        _add_dq(dq_acc, (dq_half0, dq_half1), b, h, m0, seqlen_q, stride_dqb, stride_dqh, stride_dqm, block_rows,
+        _add_dq(dq_acc, (dq_half0, dq_half1), b, h, m0, q0, seqlen_q, stride_dqb, stride_dqh, stride_dqm, block_rows,
                 offsets, BLOCK_M, DQ_COLS, DQ_TMA)
         if not DQ_TMA:
             fence_async_shared()  # these generic reads before the loader's TMA refill of the stage
@@ -1085,12 +1176,13 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
                        stride_dkb, stride_dkh, stride_dkn,
                        stride_dvb, stride_dvh, stride_dvn,
                        seqlen_q, seqlen_k, nheads_k, group, diag, qk_scale, scale, window_left,
+                       cu_seqlens_q, cu_seqlens_k,
                        CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
                        DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr,
                        DQ_ALIAS: gl.constexpr, DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr,
                        PERSISTENT: gl.constexpr = False, TILE_ORDER: gl.constexpr = 0,
-                       DKDV_TMA: gl.constexpr = False):
+                       DKDV_TMA: gl.constexpr = False, VARLEN: gl.constexpr = False):
     """Arguments as bwd_dkdv_kernel's (dq_acc 16-byte aligned, strides multiples of 4; with
     DQ_TMA its descriptor, blocks of BLOCK_M x HEAD_DIM). DQ_BUFS: dQ hand-over buffers in shared
     memory; DQ_COLS: dQ columns per product.
@@ -1105,9 +1197,18 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     buffers) are refilled once the compute warps arrive on kv_empty (docs/notes/bwd-persistent.md).
     DKDV_TMA: dk_ptr and dv_ptr are TMA descriptors of dK and dV (blocks of BLOCK_N x HEAD_DIM,
     K's and V's dtype and layout); the tile's dK and dV leave through K's and V's shared buffers
-    (`_store_dkdv_tma`), with PERSISTENT through two staging buffers of their own."""
+    (`_store_dkdv_tma`), with PERSISTENT through two staging buffers of their own.
+    VARLEN (one key tile a program, neither DKDV_TMA nor STATS_TMA): packed sequences. q/k/v/dO and dq_acc are
+    (1, H, total, D) views, lse/delta (1, Hq, total), dK/dV pointers with batch strides 0; sequence
+    b's queries are cu_seqlens_q[b] .. cu_seqlens_q[b + 1] (keys: cu_seqlens_k), seqlen_q /
+    seqlen_k the longest sequences (the grid covers seqlen_k's key tiles for every sequence), diag
+    1 for bottom-right alignment, 0 for top-left (`_varlen_key_tile`). A tile's queries past its
+    sequence's end (the next sequence's) get P = 0 (their LSE is taken as +inf), so their dQ rows
+    are 0 and adding them changes nothing; its keys past the end are masked and not stored."""
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(not (PERSISTENT and CAUSAL == LEFT_WINDOW), "the persistent kernel takes no window")
+    gl.static_assert(not (VARLEN and (PERSISTENT or DKDV_TMA or STATS_TMA)),
+                     "VARLEN: one key tile a program, dK/dV by stores, LSE/delta by loads")
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -1153,7 +1254,8 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
 
     args = (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
             seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-            ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left)
+            ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left,
+            (cu_seqlens_q, cu_seqlens_k))
     lse_strides = (stride_lb, stride_lh, stride_lm, stride_deb, stride_deh, stride_dem)
     out_args = (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 qk_scale, scale)
@@ -1177,16 +1279,16 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     elif DQ_ALIAS:  # D=256: 64 keys x 64 queries, dQ staged in the consumed Q/dO stage
         gl.warp_specialize([
             (_ws_compute_d256, (args, lse_strides, out_args, p_smem, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY, PS_SMEM, DKDV_TMA)),
-            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
-            (_ws_dq_writer_alias, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, DQ_TMA)),
+                                STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY, PS_SMEM, DKDV_TMA, VARLEN)),
+            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA, VARLEN)),
+            (_ws_dq_writer_alias, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, DQ_TMA, VARLEN)),
         ], [1, 2], [WORKER_REGS, WORKER_REGS])
     else:  # 64- or 128-query stages (_ws_compute_partition picks the body)
         gl.warp_specialize([
             (_ws_compute_partition, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                     STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA)),
-            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA)),
-            (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA)),
+                                     STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA, VARLEN)),
+            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA, VARLEN)),
+            (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA, VARLEN)),
         ], [1, 2], [WORKER_REGS, WORKER_REGS])
 
 
@@ -1229,13 +1331,18 @@ SHAPES = {
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_bottom_right: bool,
                 scale: float, block_m: int, block_n: int, num_stages: int, num_warps: int = 8,
-                warp_specialized: bool = False, persistent: bool = False,
-                window_left: int = -1) -> launch_cache.Planned | None:
+                warp_specialized: bool = False, persistent: bool = False, window_left: int = -1,
+                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
+                max_seqlen_k: int = 0) -> launch_cache.Planned | None:
     """(B, H, S, D) views; lse/delta (B, Hq, Sq) fp32; dq_acc fp32 (B, Hq, Sq, D) view, zeroed
     (16-byte aligned rows for the warp-specialized kernel: fmha allocates it so).
     window_left >= 0 (with causal, not persistent): the sliding window (window_left, 0), each
     query's keys from window_left before its diagonal to the diagonal (CAUSAL=LEFT_WINDOW: a key
     tile's loop ends at the last query tile whose windows reach it); -1: none.
+    cu_seqlens_q/k (int32 (B + 1,) prefix sums; the one-tile warp-specialized kernel): packed
+    sequences (VARLEN): q/k/v/do/dk/dv/dq_acc (total, H, D), lse/delta (Hq, total_q),
+    max_seqlen_q/k the longest sequences; masks align per sequence; LSE/delta by per-thread loads.
+    No launch plan.
     persistent (warp_specialized): one program per SM walks the key tiles
     (bwd_dkdv_ws_kernel's PERSISTENT; causal tile order `preferred_tile_order`, pairs where
     heads outermost would unbalance the programs: persistent_schedule.causal_tile_order).
@@ -1243,6 +1350,11 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     if window_left >= 0 and (not causal or persistent):
         raise ValueError(f"window_left={window_left}: a window (window_left, 0) needs causal=True and the "
                          f"one-tile kernel (persistent=False); got causal={causal}, persistent={persistent}")
+    if cu_seqlens_q is not None:
+        return _launch_dkdv_varlen(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, causal=causal, align_bottom_right=align_bottom_right, scale=scale,
+                                   block_m=block_m, block_n=block_n, num_stages=num_stages,
+                                   warp_specialized=warp_specialized, persistent=persistent, window_left=window_left)
     key = None
     if launch_cache.plans_enabled(bwd_dkdv_ws_kernel):
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), do.stride(), lse.shape, lse.stride(),
@@ -1284,11 +1396,48 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
     # (after the tensors: every argument fixed by the key)
     tail = (*lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
             seqlen_q, seqlen_k, nheads_k, nheads_q // nheads_k, diag, scale * LOG2E.value, scale,
-            max(window_left, -1))
+            max(window_left, -1), *((None, None) if warp_specialized else ()))  # (ws: no cu_seqlens, not VARLEN)
     plan = launch_cache.make_plan(kernel, grid, *_tensor_args(q, k, v, do, lse, delta, dk, dv, dq_acc, *how), *tail,
                                   **constexprs, **options)
     return launch_cache.keep(_PLANS, key, plan, bwd_dkdv_ws_kernel if warp_specialized else bwd_dkdv_kernel, tail,
                              _plan_tensors)
+
+
+def _launch_dkdv_varlen(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                        max_seqlen_k: int, *, causal: bool, align_bottom_right: bool, scale: float, block_m: int,
+                        block_n: int, num_stages: int, warp_specialized: bool, persistent: bool,
+                        window_left: int) -> None:
+    """`launch_dkdv` of packed sequences (VARLEN; see bwd_dkdv_ws_kernel): (1, H, total, D) views,
+    dK/dV by per-thread stores with batch strides 0, rows offset per sequence in the kernel."""
+    if persistent or not warp_specialized:
+        raise ValueError("varlen dK/dV: the one-tile warp-specialized kernel only (warp_specialized=True, "
+                         "persistent=False)")
+    batch = cu_seqlens_q.numel() - 1
+    nheads_q, head_dim = q.shape[1], q.shape[2]
+    nheads_k = k.shape[1]
+    q4, k4, v4, do4, acc4 = (t.permute(1, 0, 2)[None] for t in (q, k, v, do, dq_acc))
+    lse3, delta3 = lse[None], delta[None]
+    # LSE/delta by per-thread loads: a TMA copy of a sequence's rows starts at its first query,
+    # whose fp32 address is 16-byte aligned only where cu_seqlens_q[b] % 4 == 0 (a misaligned
+    # start faulted: "illegal instruction", H200, 2026-12-01; the prefix sums live on the device).
+    stats_tma = False
+    dq_v2 = dq_acc.data_ptr() % 8 == 0 and all(s % 2 == 0 for s in acc4.stride()[:3])
+    kernel, constexprs, options, reduce_cols = _kernel_spec(
+        head_dim, block_m, block_n, num_stages, causal=LEFT_WINDOW.value if window_left >= 0 else causal,
+        stats_tma=stats_tma, dq_tma=tma_aligned(acc4), dq_v2=dq_v2, num_warps=8, warp_specialized=True,
+        dkdv_tma=False)
+    if not (constexprs["DQ_TMA"] or dq_quads_aligned(acc4)):
+        raise ValueError("dq_acc: the warp-specialized dK/dV kernel adds dQ in 16-byte quads; "
+                         f"got data_ptr % 16 = {dq_acc.data_ptr() % 16}, strides {dq_acc.stride()}")
+    args = _tensor_args(q4, k4, v4, do4, lse3, delta3, dk, dv, acc4, block_m, block_n, stats_tma,
+                        constexprs["DQ_TMA"], reduce_cols, False)
+    grid = (cdiv(max_seqlen_k, block_n) * batch * nheads_k,)
+    launch_cache.launch(kernel, grid, *args, 0, lse.stride(0), lse.stride(1), 0, delta.stride(0), delta.stride(1),
+                        *acc4.stride()[:3], 0, dk.stride(1), dk.stride(0), 0, dv.stride(1), dv.stride(0),
+                        max_seqlen_q, max_seqlen_k, nheads_k, nheads_q // nheads_k, int(align_bottom_right),
+                        scale * LOG2E.value, scale, max(window_left, -1), cu_seqlens_q, cu_seqlens_k,
+                        **{**constexprs, "VARLEN": True}, **options)
+    return None
 
 
 def _plan_tensors(q, k, v, do, lse, delta, dk, dv, dq_acc) -> tuple:
@@ -1377,7 +1526,7 @@ def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, d
         constexprs = dict(common, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"], DQ_TMA=dq_tma,
                           DQ_ALIAS=alias, DQ_EARLY=alias and bool(shape.get("dq_early")),
                           PS_SMEM=alias and bool(shape.get("ps_smem")), PERSISTENT=persistent, TILE_ORDER=order,
-                          DKDV_TMA=dkdv_tma)
+                          DKDV_TMA=dkdv_tma, VARLEN=False)
         return (bwd_dkdv_ws_kernel, constexprs, {"num_warps": 8, "maxnreg": 168},
                 shape["dq_cols"] if alias else head_dim)
     dq_cols = shape.get("dq_cols", dq_columns(head_dim))
@@ -1401,27 +1550,37 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
                  causal: bool, stats_tma: bool = True, dq_v2: bool = True, num_warps: int = 8,
                  warp_specialized: bool = False, dq_tma: bool | None = None,
                  persistent: bool = False, tile_order: int | None = None,
-                 dkdv_tma: bool = True, window: bool = False) -> tuple[dict, dict, dict]:
+                 dkdv_tma: bool = True, window: bool = False, varlen: bool = False) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `bwd_dkdv_kernel` (`bwd_dkdv_ws_kernel` when
     warp_specialized) as `launch_dkdv` calls it (with TMA-aligned LSE/delta and dq_acc unless
     told otherwise; dq_tma None: as SHAPES says; persistent: launch_dkdv(persistent=True), whose
     causal tile order is `tile_order`, None: `preferred_tile_order`; window: with causal, a sliding
-    window (launch_dkdv's window_left >= 0, CAUSAL=LEFT_WINDOW))."""
+    window (launch_dkdv's window_left >= 0, CAUSAL=LEFT_WINDOW); varlen: packed sequences (VARLEN,
+    warp-specialized one-tile, dK/dV by stores))."""
     kernel, constexprs, options, reduce_cols = _kernel_spec(
         head_dim, block_m, block_n, num_stages, causal=LEFT_WINDOW.value if window and causal else causal,
-        stats_tma=stats_tma, dq_tma=True if dq_tma is None else dq_tma, dq_v2=dq_v2, num_warps=num_warps,
-        warp_specialized=warp_specialized, persistent=persistent, tile_order=tile_order, dkdv_tma=dkdv_tma)
+        stats_tma=stats_tma and not varlen, dq_tma=True if dq_tma is None else dq_tma, dq_v2=dq_v2, num_warps=num_warps,
+        warp_specialized=warp_specialized, persistent=persistent, tile_order=tile_order,
+        dkdv_tma=dkdv_tma and not varlen)
+    if warp_specialized:
+        constexprs["VARLEN"] = varlen
+    elif varlen:
+        raise ValueError("varlen dK/dV: the warp-specialized kernel only")
     dq_type = descriptor_type("fp32", block_m, reduce_cols) if constexprs["DQ_TMA"] else "*fp32"
     dkdv_type = descriptor_type(dtype, block_n, head_dim) if constexprs.get("DKDV_TMA") else f"*{dtype}"
 
     def desc(rows):
         return descriptor_type(dtype, rows, head_dim)
 
-    stats = f"tensordesc<fp32[1,1,{block_m}],{_stats_layout()!r}>" if stats_tma else "*fp32"
+    stats = f"tensordesc<fp32[1,1,{block_m}],{_stats_layout()!r}>" if constexprs["STATS_TMA"] else "*fp32"
     types = {"q_desc": desc(block_m), "k_desc": desc(block_n), "v_desc": desc(block_n),
              "do_desc": desc(block_m), "lse": stats, "delta": stats, "dq_acc": dq_type,
              "dk_ptr": dkdv_type, "dv_ptr": dkdv_type, "qk_scale": "fp32", "scale": "fp32"}
     # In the kernel's argument order; the other arguments are strides and sizes (i32).
+    if varlen:
+        types.update(cu_seqlens_q="*i32", cu_seqlens_k="*i32")
+    elif warp_specialized:
+        constexprs.update(cu_seqlens_q=None, cu_seqlens_k=None)
     signature = {name: types.get(name, "i32") for name in kernel.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs, options
