@@ -134,6 +134,23 @@ def test_explain_sees_per_block_fp8_descales():
     assert api.problem_of(q, q, q, k_descale=per_block, descale_block_size=128).fp8_block_descale
 
 
+def test_explain_takes_attention_varlen_arguments():
+    """explain/problem_of with cu_seqlens_q/k and max_seqlen_q/k describe the attention_varlen call
+    (packed (total, H, D) tensors), refuse what attention_varlen refuses, and name the backward
+    when q requires grad."""
+    q = torch.randn(300, 4, 64, requires_grad=True)
+    k = v = torch.randn(500, 2, 64)
+    cu_q, cu_k = torch.tensor([0, 100, 300], dtype=torch.int32), torch.tensor([0, 200, 500], dtype=torch.int32)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=200, max_seqlen_k=300, causal=True)
+    problem = api.problem_of(q, k, v, **kw)
+    assert problem.varlen and (problem.batch, problem.seqlen_q, problem.seqlen_k) == (2, 200, 300)
+    text = api.explain(q, k, v, **kw)
+    assert "B=2 Hq=4 Hk=2 Sq=200 Sk=300" in text and "varlen" in text and "bwd_dq_dk_dv" in text, text
+    assert api.problem_of(q, k, v, **kw, seqused_k=torch.tensor([150, 300], dtype=torch.int32)).seqused_k
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        api.explain(q, k, v, **{**kw, "cu_seqlens_k": torch.tensor([0, 200], dtype=torch.int32)})
+
+
 def test_deterministic_problems_keep_the_gluon_forward():
     assert _fwd_config(_problem(deterministic=True, causal=True)).algorithm.pipeline.is_gluon
 

@@ -678,21 +678,29 @@ VARLEN_LENGTHS = {
     # features suite's case: a TMA copy of LSE rows from such a start faulted)
     "odd_starts": ([3, 1021, 5, 1019], [3, 1021, 5, 1019]),
 }
+VARLEN_MASKS = {"none": {}, "causal": dict(causal=True), "causal_top_left": dict(causal=True, mask_align="top_left"),
+                "window": dict(window=(100, 0))}
 
 
-def _varlen_launches(monkeypatch):
-    """Count fwd_gluon's varlen launches (the dispatcher picked the Gluon forward)."""
-    from fmha.kernels import fwd_gluon
-
+def _calls_of(monkeypatch, module, name):
+    """The keyword arguments of every call of `module.name` from now on (a module-level function
+    its module's launcher looks up when it runs: fwd_gluon's or bwd_gluon's varlen launch, which
+    runs only where the dispatcher picked that Gluon kernel)."""
     calls = []
-    real = fwd_gluon._launch_varlen
+    real = getattr(module, name)
 
     def spy(*args, **kwargs):
         calls.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fwd_gluon, "_launch_varlen", spy)
+    monkeypatch.setattr(module, name, spy)
     return calls
+
+
+def _varlen_launches(monkeypatch):
+    from fmha.kernels import fwd_gluon
+
+    return _calls_of(monkeypatch, fwd_gluon, "_launch_varlen")
 
 
 def _check_varlen_forward(rng, dtype, head_dim, lens_q, lens_k, hq, hk, **kw):
@@ -729,15 +737,14 @@ def _check_varlen_forward(rng, dtype, head_dim, lens_q, lens_k, hq, hk, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left", "window"])
+@pytest.mark.parametrize("mask", list(VARLEN_MASKS))
 @pytest.mark.parametrize("lengths", list(VARLEN_LENGTHS))
 def test_gluon_varlen_forward(rng, monkeypatch, dtype, head_dim, mask, lengths):
     """Varlen on the one-tile Gluon forward: GQA 4:2 (MQA at D=256), masks aligned per sequence,
     a window (100, 0), against float64 per sequence."""
     calls = _varlen_launches(monkeypatch)
     lens_q, lens_k = VARLEN_LENGTHS[lengths]
-    kw = {"none": {}, "causal": dict(causal=True), "causal_top_left": dict(causal=True, mask_align="top_left"),
-          "window": dict(window=(100, 0))}[mask]
+    kw = VARLEN_MASKS[mask]
     _check_varlen_forward(rng, dtype, head_dim, lens_q, lens_k, 4, 1 if head_dim == 256 else 2, **kw)
     assert len(calls) == 1
 
@@ -751,18 +758,9 @@ def test_gluon_varlen_forward_features_suite_shape(rng, monkeypatch):
 
 
 def _varlen_backward_launches(monkeypatch):
-    """Count bwd_gluon's varlen dK/dV launches (the dispatcher picked the Gluon dK/dV kernel)."""
     from fmha.kernels import bwd_gluon
 
-    calls = []
-    real = bwd_gluon._launch_dkdv_varlen
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(bwd_gluon, "_launch_dkdv_varlen", spy)
-    return calls
+    return _calls_of(monkeypatch, bwd_gluon, "_launch_dkdv_varlen")
 
 
 def _check_varlen_backward(rng, dtype, head_dim, lens_q, lens_k, hq, hk, **kw):
@@ -801,7 +799,7 @@ def _check_varlen_backward(rng, dtype, head_dim, lens_q, lens_k, hq, hk, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left", "window"])
+@pytest.mark.parametrize("mask", list(VARLEN_MASKS))
 @pytest.mark.parametrize("lengths", list(VARLEN_LENGTHS))
 def test_gluon_varlen_backward(rng, monkeypatch, dtype, head_dim, mask, lengths):
     """Varlen on the one-tile warp-specialized Gluon dK/dV kernel (VARLEN): GQA 4:2 (MQA at
@@ -809,8 +807,7 @@ def test_gluon_varlen_backward(rng, monkeypatch, dtype, head_dim, mask, lengths)
     float64 per sequence."""
     calls = _varlen_backward_launches(monkeypatch)
     lens_q, lens_k = VARLEN_LENGTHS[lengths]
-    kw = {"none": {}, "causal": dict(causal=True), "causal_top_left": dict(causal=True, mask_align="top_left"),
-          "window": dict(window=(100, 0))}[mask]
+    kw = VARLEN_MASKS[mask]
     _check_varlen_backward(rng, dtype, head_dim, lens_q, lens_k, 4, 1 if head_dim == 256 else 2, **kw)
     assert len(calls) == 1
 

@@ -5,8 +5,9 @@
 
 CUDA tensors run compiled kernels; CPU tensors run the same kernels through Triton's
 interpreter. Float8 q/k/v run the forward with descales (`fmha.quantize_fp8`, see fmha.fp8).
-`fmha.explain(q, k, v, ...)` says which kernels a call would launch and why
-(`fmha.explain_kvcache(q, k_cache, v_cache, ...)` for `attention_with_kvcache`).
+`fmha.explain(q, k, v, ...)` says which kernels a call would launch and why (with
+`cu_seqlens_q=..., cu_seqlens_k=..., max_seqlen_q=..., max_seqlen_k=...`: an `attention_varlen`
+call; `fmha.explain_kvcache(q, k_cache, v_cache, ...)` for `attention_with_kvcache`).
 """
 
 from . import fp8

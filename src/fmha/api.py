@@ -1091,13 +1091,15 @@ def problem_of(q: Tensor, k: Tensor, v: Tensor, *, layout: str = "bhsd", scale=N
                sink_size: int = 0, bias=None, alibi_slopes=None, softcap: float = 0.0,
                sinks=None, dropout_p: float = 0.0, seed=None, offset: int = 0,
                deterministic: bool = False, q_descale=None, k_descale=None, v_descale=None,
-               descale_block_size=None, out_dtype=None) -> Problem:
-    """The `Problem` that `attention(q, k, v, ...)` with these arguments would solve."""
+               descale_block_size=None, out_dtype=None, cu_seqlens_q=None, cu_seqlens_k=None,
+               max_seqlen_q: int = 0, max_seqlen_k: int = 0, seqused_k=None) -> Problem:
+    """The `Problem` that `attention(q, k, v, ...)` with these arguments would solve; with
+    cu_seqlens_q/k (and max_seqlen_q/k, seqused_k), the one `attention_varlen` would."""
     left, right = V.check_scalars(scale=scale, softcap=softcap, window=window, sink_size=sink_size,
                                   dropout_p=dropout_p, causal=causal)
-    problem = _prepare(q, k, v, bias, alibi_slopes, sinks, None, None, None, 0, 0, layout, scale,
-                       causal, left, right, mask_align, sink_size, softcap, dropout_p, seed or 0,
-                       offset, deterministic).problem
+    problem = _prepare(q, k, v, bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                       max_seqlen_k, layout, scale, causal, left, right, mask_align, sink_size, softcap, dropout_p,
+                       seed or 0, offset, deterministic).problem
     # fp8: a 3-d descale with more than one block is per block (fmha.fp8.check_descales)
     block = any(isinstance(d, Tensor) and d.dim() == 3 and d.shape[2] > 1
                 for d in (q_descale, k_descale, v_descale))
@@ -1105,7 +1107,8 @@ def problem_of(q: Tensor, k: Tensor, v: Tensor, *, layout: str = "bhsd", scale=N
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
-    """Which kernels `attention(q, k, v, **kwargs)` would launch, and why."""
+    """Which kernels `attention(q, k, v, **kwargs)` would launch, and why; given cu_seqlens_q/k
+    and max_seqlen_q/k (as `attention_varlen` takes them), those of `attention_varlen`."""
     problem = problem_of(q, k, v, **kwargs)
     dispatcher = get_dispatcher()
     requires_grad = any(t.requires_grad for t in (q, k, v))
