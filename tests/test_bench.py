@@ -253,6 +253,27 @@ def test_shards_split_the_suite_without_overlap():
     assert cli.main(["bench", "--shard", "5/4"]) == 2
 
 
+def test_features_shapes_are_compared_with_flexattention(tmp_path):
+    """Windows and documents: the ratio column, the geomeans and the JSON summary are against
+    FlexAttention (cuDNN runs a dense mask there), or cuDNN when flex did not run."""
+    window, docs = Shape(1, 2, 2, 256, 64, causal=True, window=64), Shape(1, 2, 2, 256, 64, causal=True, docs=2)
+    results = []
+    for shape in (window, docs):
+        for contender, tflops in (("fmha", 300.0), ("cudnn", 30.0), ("flex", 200.0)):
+            results.append({**_result(shape, "fwd", contender, tflops), "window": shape.window, "docs": shape.docs})
+    assert bench.reference_contender(results) == "flex"
+    assert bench.reference_contender(results, ["fmha", "cudnn"]) == "cudnn"
+    assert bench.reference_contender(_synthetic()) == "cudnn"
+    assert bench.summary(results)["fwd"] == {"geomean_ratio": pytest.approx(1.5), "shapes": 2, "total": 2,
+                                             "against": "flex"}
+    console = Console(file=io.StringIO(), width=200)
+    console.print(bench.render_table(results, ["fmha", "cudnn", "flex"]))
+    text = console.file.getvalue()
+    assert "fmha/flex" in text and "fmha/cudnn" not in text and "1.500" in text and "10.000" not in text
+    bench.write_json(tmp_path / "f.json", results, {"gpu": "synthetic"})
+    assert json.loads((tmp_path / "f.json").read_text())["summary"]["fwd"]["against"] == "flex"
+
+
 def test_merge_joins_json_files_without_a_gpu(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     results = _synthetic()

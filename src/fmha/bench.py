@@ -33,7 +33,9 @@ full forward + backward minus the time of the forward (method "fwd_bwd_minus_fwd
 
 FLOPs follow FlashAttention: forward `4 * B * Hq * S * S * D` (halved when causal),
 backward 2.5 x forward. The ratio "fmha/cudnn" is fmha's TFLOP/s over cuDNN's (> 1: fmha is
-faster); the summary is its geometric mean over the shapes where both ran, per mode.
+faster); the summary is its geometric mean over the shapes where both ran, per mode. For the
+features suite the ratio is "fmha/flex" (`reference_contender`: cuDNN runs those rules as a dense
+mask over every pair, FlexAttention as a block mask of the same rule).
 """
 
 from __future__ import annotations
@@ -598,15 +600,29 @@ def geomean(values: Iterable[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def summary(results: Iterable[dict], num: str = "fmha", den: str = "cudnn") -> dict[str, dict]:
+def reference_contender(results: Iterable[dict], contenders: Iterable[str] | None = None) -> str:
+    """The contender fmha's ratios and geomeans are taken against: cuDNN, except for the features
+    suite's shapes (sliding windows, packed documents), which SDPA's backends take only as a dense
+    (S, S) mask, so that cuDNN computes every pair there: FlexAttention (a block mask of the same
+    rule), when it is among the contenders (default: those in the results)."""
+    results = list(results)
+    contenders = set(contenders if contenders is not None else (r["contender"] for r in results))
+    features = any(r.get("window") or r.get("docs") for r in results)
+    return "flex" if features and "flex" in contenders else "cudnn"
+
+
+def summary(results: Iterable[dict], num: str = "fmha", den: str | None = None) -> dict[str, dict]:
     """Per mode: {"geomean_ratio": geometric mean of num/den over the shapes where both
-    ran (None if none), "shapes": how many shapes that is, "total": shapes measured}."""
+    ran (None if none), "shapes": how many shapes that is, "total": shapes measured, "against":
+    den}. den None: `reference_contender(results)`."""
+    results = list(results)
+    den = den or reference_contender(results)
     rows = ratio_rows(results, num, den)
     out = {}
     for mode in dict.fromkeys(row["mode"] for row in rows):
         ratios = [row["ratio"] for row in rows if row["mode"] == mode and row["ratio"] is not None]
         out[mode] = {"geomean_ratio": geomean(ratios), "shapes": len(ratios),
-                     "total": sum(1 for row in rows if row["mode"] == mode)}
+                     "total": sum(1 for row in rows if row["mode"] == mode), "against": den}
     return out
 
 
@@ -688,22 +704,24 @@ def plot(path: str | Path, results: list[dict], title: str = "") -> None:
 
 
 def render_table(results: list[dict], contenders: Sequence[str] | None = None) -> Any:
-    """A rich Table: shape, mode, TFLOP/s of each contender, fmha/cudnn; geomean rows."""
+    """A rich Table: shape, mode, TFLOP/s of each contender, fmha over the reference contender
+    (`reference_contender`: cuDNN, FlexAttention for the features suite); geomean rows."""
     from rich.table import Table
 
-    rows = ratio_rows(results)
     contenders = list(contenders or dict.fromkeys(r["contender"] for r in results))
+    den = reference_contender(results, contenders)
+    rows = ratio_rows(results, den=den)
     table = Table(title="TFLOP/s (median over rounds of do_bench medians)")
     table.add_column("shape")
     table.add_column("mode")
     for name in contenders:
         table.add_column(name, justify="right")
-    table.add_column("fmha/cudnn", justify="right")
+    table.add_column(f"fmha/{den}", justify="right")
     for row in rows:
         cells = [f"{row['tflops'][c]:.1f}" if row["tflops"].get(c) else "n/a" for c in contenders]
         ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "-"
         table.add_row(row["shape"], row["mode"], *cells, ratio)
-    for mode, s in summary(results).items():
+    for mode, s in summary(results, den=den).items():
         g = f"{s['geomean_ratio']:.3f}" if s["geomean_ratio"] is not None else "-"
         table.add_row(f"geomean ({s['shapes']}/{s['total']} shapes)", mode, *[""] * len(contenders), g,
                       style="bold")
@@ -932,5 +950,5 @@ def _report(results: list[dict], env: dict, settings: dict, args: argparse.Names
 
 __all__ = ["Shape", "flops", "standard_suite", "quick_suite", "SUITES", "run_suite", "time_ms", "ratio_rows",
            "host_bound_rows", "host_ms_per_call", "geomean", "summary", "environment", "write_json",
-           "write_csv", "plot", "render_table", "na_reasons", "add_arguments", "shapes_from_args",
-           "read_results", "command", "CONTENDERS", "MODES", "DTYPES"]
+           "write_csv", "plot", "render_table", "reference_contender", "na_reasons", "add_arguments",
+           "shapes_from_args", "read_results", "command", "CONTENDERS", "MODES", "DTYPES"]
