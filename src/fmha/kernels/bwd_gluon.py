@@ -18,7 +18,8 @@ TMA reduce-add from shared memory (DQ_TMA, FlashAttention-3's way: the copy engi
 tile in L2, no atomics on the warps' memory pipe), or else as `red.global.add.v2.f32` of column
 pairs (DQ_V2; scalar atomics if 8-byte alignment fails).
 Scope: fp16/bf16, Dqk == Dv in {64, 128, 256}, no mask or causal in either alignment, and (one
-key tile a program) sliding windows (left, 0) (`LEFT_WINDOW`), GQA; TMA-aligned bhsd/bshd views.
+key tile a program) sliding windows (left, 0) (`LEFT_WINDOW`) and, warp-specialized, packed
+varlen sequences (`VARLEN`), GQA; TMA-aligned bhsd/bshd views.
 """
 
 from __future__ import annotations

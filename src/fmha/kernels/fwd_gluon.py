@@ -22,7 +22,8 @@ FlashAttention-3's structure, written with Gluon's Hopper primitives:
 
 Scope (the dispatcher checks it, see registry.py): fp16/bf16, Dqk == Dv in {64, 128, 256},
 bhsd or bshd views with 16-byte aligned strides (TMA), no mask or causal in either
-alignment, and (one tile a program) sliding windows (left, 0) (`HAS_LEFT`), GQA/MQA, LSE.
+alignment, and (one tile a program) sliding windows (left, 0) (`HAS_LEFT`) and packed varlen
+sequences (`VARLEN`), GQA/MQA, LSE.
 Everything else runs on the Triton kernel (fwd.py).
 Out-of-range rows and keys: TMA zero-fills loads and clips stores; keys past the end are
 masked to -inf in the last tile.
@@ -861,7 +862,7 @@ def _launch_varlen(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     batch = cu_seqlens_q.numel() - 1
     nheads_q, head_dim = q.shape[1], q.shape[2]
     nheads_k = k.shape[1]
-    q4, k4, v4, o4 = (t.permute(1, 0, 2)[None] for t in (q, k, v, o))
+    q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (q, k, v))  # (o: per-thread stores, its own strides)
     grid = (cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
     maxnreg, consumer_regs, producer_regs = registers(block_m)
     tau = float(default_rescale_tau(head_dim, False, False) if rescale_tau is None else rescale_tau)
