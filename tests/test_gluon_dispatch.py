@@ -532,7 +532,7 @@ def test_gluon_ws_d256_backward_compiles_for_sm90(tmp_path, monkeypatch, shape):
     shapes["gluon_ws"][256].update(D256_WS_SHAPES[shape])
     monkeypatch.setattr(bwd_gluon, "SHAPES", shapes)
     kernels = _built_for_sm90(_ws_d256_config(), tmp_path, monkeypatch)
-    assert [k.variant for k in kernels] == ["plain", "causal"]
+    assert [k.variant for k in kernels] == ["plain", "causal", "window", "varlen"]
     for kernel in kernels:
         ptx = _ptx(kernel)
         assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240\b", ptx)  # the compute warpgroups
@@ -655,10 +655,17 @@ def test_short_causal_d128_takes_heads_outermost():
             continue
         jobs = dict(precompile.gluon_jobs(config, config.signature.dtypes[0]))
         short = config.algorithm.persistent and config.signature.head_dims == (128,)
-        assert list(jobs) == ["plain", "causal"] + (["causal_short"] if short else []), config.name
+        # (the one-tile 16-bit configs also build their window and varlen kernels)
+        one_tile_16 = not config.algorithm.persistent and DType.FP8_E4M3 not in config.signature.dtypes
+        assert list(jobs) == ["plain", "causal"] + (["causal_short"] if short else []) + (
+            ["window", "varlen"] if one_tile_16 else []), config.name
         orders = {v: dict(job.constexprs)["TILE_ORDER"] for v, job in jobs.items()}
         assert orders == ({"plain": 0, "causal": 2, "causal_short": 1} if short
-                          else {"plain": 0, "causal": 2 if config.algorithm.persistent else 0}), config.name
+                          else {"plain": 0, "causal": 2} if config.algorithm.persistent
+                          else dict.fromkeys(jobs, 0)), config.name
+        for variant, job in jobs.items():
+            constexprs = dict(job.constexprs)
+            assert (constexprs["HAS_LEFT"], constexprs["VARLEN"]) == (variant == "window", variant == "varlen")
 
 
 def _window_query_tiles(n0, seqlen_q, seqlen_k, diag, window_left, block_m, block_n):

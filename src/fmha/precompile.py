@@ -359,7 +359,8 @@ def make_job(spec: KernelSpec, config: KernelConfig, dtype: DType, variant: str)
 def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob]]:
     """The compile calls of a Gluon config, plain and causal (and for the persistent forward at
     D=128 causal_short: its tile order for <= 8 row tiles a head; for the persistent dK/dV at
-    D=64 causal_pairs: the order where heads outermost would not balance): the forward
+    D=64 causal_pairs: the order where heads outermost would not balance; where the config takes
+    them, window: a sliding window (left, 0), and varlen: packed causal sequences): the forward
     (kernels/fwd_gluon.py) or the dK/dV backward with dQ added into an fp32 buffer
     (kernels/bwd_gluon.py)."""
     from .kernels import bwd_gluon, fwd_gluon
@@ -379,20 +380,26 @@ def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob
     if config.family == Family.BWD_DQ_DK_DV and a.persistent and "causal" in variants \
             and bwd_gluon.preferred_tile_order(head_dim) != PAIRS:
         variants.append("causal_pairs")
+    if "causal" in variants and config.signature.left_window and not a.persistent:
+        variants.append("window")
+    if Feature.VARLEN in config.signature.features and not a.persistent:  # (persistent kernels take neither)
+        variants.append("varlen")
     jobs = []
     for variant in variants:
         args = (TRITON_TYPES[dtype], head_dim, a.block_m, a.block_n, a.num_stages)
+        kinds = dict(window=variant == "window", varlen=variant == "varlen")
         if config.family == Family.FWD:
             module, kernel = fwd_gluon, "fwd_ws_kernel"
             signature, constexprs, options = fwd_gluon.compile_spec(
                 *args, causal=variant != "plain", pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG,
-                persistent=a.persistent, **({"tile_order": short_order} if variant == "causal_short" else {}))
+                persistent=a.persistent, **({"tile_order": short_order} if variant == "causal_short" else {}),
+                **kinds)
         elif config.family == Family.BWD_DQ_DK_DV:
             ws = a.pipeline == Pipeline.GLUON_WS
             module, kernel = bwd_gluon, "bwd_dkdv_ws_kernel" if ws else "bwd_dkdv_kernel"
             signature, constexprs, options = bwd_gluon.compile_spec(
                 *args, causal=variant != "plain", num_warps=a.num_warps, warp_specialized=ws,
-                persistent=a.persistent, **({"tile_order": PAIRS} if variant == "causal_pairs" else {}))
+                persistent=a.persistent, **({"tile_order": PAIRS} if variant == "causal_pairs" else {}), **kinds)
         else:
             raise ValueError(f"no Gluon kernel for family {config.family.value}")
         jobs.append((variant, CompileJob(module.__name__, kernel, tuple(signature.items()),
