@@ -918,3 +918,27 @@ def test_dkdv_leave_by_tma_stores_where_they_can(monkeypatch, case, tma):
             assert arg.base is tensor and arg.block_shape == [1, 1, 128, d] and arg.layout == args[1].layout
         else:
             assert arg is tensor
+
+
+def test_varlen_dkdv_reads_lse_and_delta_per_thread(monkeypatch):
+    """The varlen dK/dV launch never takes LSE/delta by TMA, even where the (Hq, total) tensors are
+    TMA-aligned: a copy from a sequence's first query is 16-byte aligned only where that query's
+    index is a multiple of 4 (a misaligned one faulted on the H200, 2026-12-01)."""
+    from fmha.kernels import bwd_gluon
+
+    seen = _recorded_launches(monkeypatch)
+    h, d, total = 4, 128, 2048  # total % 4 == 0: the LSE rows are TMA-aligned
+    packed = torch.randn(total, h, d).to(torch.bfloat16)
+    lse, delta = torch.empty(h, total), torch.empty(h, total)
+    cu = torch.tensor([0, 3, 1024, total], dtype=torch.int32)  # a sequence starting at query 3
+    bwd_gluon.launch_dkdv(packed, packed, packed, packed, lse, delta, torch.empty_like(packed),
+                          torch.empty_like(packed), torch.zeros(total, h, d), causal=True, align_bottom_right=True,
+                          scale=0.1, block_m=64, block_n=128, num_stages=3, warp_specialized=True,
+                          cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=1024)
+    (kernel, grid, args, kwargs), = seen
+    assert kwargs["VARLEN"] is True and kwargs["STATS_TMA"] is False and kwargs["DKDV_TMA"] is False
+    names = kernel.arg_names
+    for name, t in (("lse", lse), ("delta", delta)):  # pointers (views of the tensors), not descriptors
+        arg = args[names.index(name)]
+        assert isinstance(arg, torch.Tensor) and arg.data_ptr() == t.data_ptr(), name
+    assert grid == (-(-1024 // 128) * 3 * h,)
