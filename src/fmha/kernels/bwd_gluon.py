@@ -1390,9 +1390,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
         dq_v2=dq_v2, num_warps=num_warps, warp_specialized=warp_specialized, persistent=persistent,
         tile_order=tile_order, dkdv_tma=dkdv_tma)
     dq_tma = constexprs["DQ_TMA"]
-    if warp_specialized and not (dq_tma or dq_quads_aligned(dq_acc)):
-        raise ValueError("dq_acc: the warp-specialized dK/dV kernel adds dQ in 16-byte quads; "
-                         f"got data_ptr % 16 = {dq_acc.data_ptr() % 16}, strides {dq_acc.stride()}")
+    if warp_specialized:
+        _check_dq_quads(dq_tma, dq_acc, dq_acc)
     how = (block_m, block_n, stats_tma, dq_tma, reduce_cols, constexprs.get("DKDV_TMA", False))
     # (after the tensors: every argument fixed by the key)
     tail = (*lse.stride(), *delta.stride(), *dq_acc.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
@@ -1422,14 +1421,11 @@ def _launch_dkdv_varlen(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, c
     # whose fp32 address is 16-byte aligned only where cu_seqlens_q[b] % 4 == 0 (a misaligned
     # start faulted: "illegal instruction", H200, 2026-12-01; the prefix sums live on the device).
     stats_tma = False
-    dq_v2 = dq_acc.data_ptr() % 8 == 0 and all(s % 2 == 0 for s in acc4.stride()[:3])
-    kernel, constexprs, options, reduce_cols = _kernel_spec(
+    kernel, constexprs, options, reduce_cols = _kernel_spec(  # (dq_v2: the kernel without warp specialization's)
         head_dim, block_m, block_n, num_stages, causal=LEFT_WINDOW.value if window_left >= 0 else causal,
-        stats_tma=stats_tma, dq_tma=tma_aligned(acc4), dq_v2=dq_v2, num_warps=8, warp_specialized=True,
+        stats_tma=stats_tma, dq_tma=tma_aligned(acc4), dq_v2=False, num_warps=8, warp_specialized=True,
         dkdv_tma=False)
-    if not (constexprs["DQ_TMA"] or dq_quads_aligned(acc4)):
-        raise ValueError("dq_acc: the warp-specialized dK/dV kernel adds dQ in 16-byte quads; "
-                         f"got data_ptr % 16 = {dq_acc.data_ptr() % 16}, strides {dq_acc.stride()}")
+    _check_dq_quads(constexprs["DQ_TMA"], acc4, dq_acc)
     args = _tensor_args(q4, k4, v4, do4, lse3, delta3, dk, dv, acc4, block_m, block_n, stats_tma,
                         constexprs["DQ_TMA"], reduce_cols, False)
     grid = (cdiv(max_seqlen_k, block_n) * batch * nheads_k,)
@@ -1458,6 +1454,14 @@ def _tensor_args(q, k, v, do, lse, delta, dk, dv, dq_acc, block_m, block_n, stat
 
 
 _PLANS = launch_cache.plan_table()
+
+
+def _check_dq_quads(dq_tma: bool, view, dq_acc) -> None:
+    """The warp-specialized writer without DQ_TMA adds dQ in 16-byte quads: refuse a dq_acc (its
+    kernel `view`) that they cannot address."""
+    if not (dq_tma or dq_quads_aligned(view)):
+        raise ValueError("dq_acc: the warp-specialized dK/dV kernel adds dQ in 16-byte quads; "
+                         f"got data_ptr % 16 = {dq_acc.data_ptr() % 16}, strides {dq_acc.stride()}")
 
 
 def dq_quads_aligned(dq_acc) -> bool:
