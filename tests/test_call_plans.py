@@ -138,3 +138,67 @@ def test_decode_on_cpu_tensors_takes_no_call_plan(rng, num_splits):
     with pytest.raises(ValueError, match="capacity"):
         fmha.attention_with_kvcache(q, kc, vc, block_table=table, cache_seqlens=seqlens + pages * page,
                                     causal=True, num_splits=num_splits)
+
+
+def _packed(rng, lens_q=(5, 0, 9), lens_k=(7, 3, 9), requires_grad=False):
+    q, k, v = (randn((sum(n), h, 16), torch.float32, rng).requires_grad_(requires_grad)
+               for n, h in ((lens_q, 2), (lens_k, 1), (lens_k, 1)))
+    cu_q, cu_k = (torch.tensor([0, *np.cumsum(n)], dtype=torch.int32) for n in (lens_q, lens_k))
+    return q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_repeated_varlen_call_takes_its_plan_and_gives_the_full_paths_answer(rng, monkeypatch, return_lse):
+    q, k, v, cu_q, cu_k, mq, mk = _packed(rng)
+    calls = _full_path_calls(monkeypatch)
+    kw = dict(causal=True, scale=0.3, return_lse=return_lse)
+    fmha.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, **kw)
+    q2, k2, v2 = (t.clone() + 0.5 for t in (q, k, v))  # other tensors, the same metadata and lengths
+    planned = fmha.attention_varlen(q2, k2, v2, cu_q.clone(), cu_k.clone(), mq, mk, **kw)
+    assert len(calls) == 1 and len(api._FORWARD_PLANS) == 1
+    api.clear_plans()
+    full = fmha.attention_varlen(q2, k2, v2, cu_q, cu_k, mq, mk, **kw)
+    assert len(calls) == 2
+    for a, b in zip(planned if return_lse else (planned,), full if return_lse else (full,), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_varlen_plan_serves_autograd_calls_with_the_same_gradients(rng):
+    q, k, v, cu_q, cu_k, mq, mk = _packed(rng)
+    with torch.no_grad():
+        fmha.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=True)  # the plan
+    assert len(api._FORWARD_PLANS) == 1
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = fmha.attention_varlen(*leaves, cu_q, cu_k, mq, mk, causal=True)
+        return (type(o.grad_fn).__name__, o, *torch.autograd.grad(o, leaves, torch.ones_like(o)))
+
+    planned = grads()
+    api.clear_plans()
+    full = grads()
+    assert planned[0] == "_PlannedAttentionBackward" and full[0] != planned[0]
+    for a, b in zip(planned[1:], full[1:], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_varlen_plan_never_serves_other_lengths_or_a_call_the_full_path_refuses(rng, monkeypatch):
+    """CPU prefix sums are part of the key (the full path checks their values): other lengths of
+    the same metadata take the full path, and bad ones are refused after a planned call."""
+    q, k, v, cu_q, cu_k, mq, mk = _packed(rng)
+    calls = _full_path_calls(monkeypatch)
+    for _ in range(2):
+        fmha.attention_varlen(q, k, v, cu_q, cu_k, mq, mk)
+    assert len(calls) == 1
+    other = torch.tensor([0, 7, 7, 14], dtype=torch.int32)  # the same total, other lengths
+    out = fmha.attention_varlen(q, k, v, other, cu_k, mq, mk)
+    assert len(calls) == 2
+    want, _ = reference.attention_varlen_fwd(*(t.detach().double().numpy() for t in (q, k, v)), other.numpy(),
+                                             cu_k.numpy())
+    assert max_abs_error(out, torch.from_numpy(want)) < 1e-4
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        fmha.attention_varlen(q, k, v, torch.tensor([0, 1, 2, 14], dtype=torch.int32), cu_k, mq, mk)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        fmha.attention_varlen(q, k, v, torch.tensor([0, 9, 5, 14], dtype=torch.int32), cu_k, mq, mk)
+    with pytest.raises(TypeError):
+        fmha.attention_varlen(q, k, v, cu_q, cu_k, True, mk)  # (the key's max_seqlen_q is an int)

@@ -821,3 +821,54 @@ def test_gluon_varlen_backward_features_suite_shape(rng, monkeypatch, dq):
     lens = [3072, 1024, 4096, 511, 2048, 1536, 2560, 1536]
     _check_varlen_backward(rng, torch.bfloat16, 128, lens, lens, 32, 8, causal=True)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("order", ["seq_major", "tile_major", "seq_bands"])
+@pytest.mark.parametrize("case", ["varlen_mixed", "varlen_docs", "dense_causal", "dense_causal_top_left"])
+def test_gluon_dkdv_grid_orders(rng, monkeypatch, order, case):
+    """Each program order of the one-tile warp-specialized dK/dV grids (bwd_gluon.GRID_ORDERS: which
+    (batch or sequence, KV head, key tile) a program takes) covers every key tile once: D=128 bf16
+    causal, GQA, varlen (empty and long sequences) and dense (the registry's one-tile kernel at
+    D=128), against float64."""
+    from fmha.kernels import bwd_gluon, plan_tables
+
+    from attn_testing import check_backward
+
+    monkeypatch.setattr(bwd_gluon, "VARLEN_GRID_ORDER", bwd_gluon.GRID_ORDERS[order])
+    monkeypatch.setattr(bwd_gluon, "DENSE_GRID_ORDER", bwd_gluon.GRID_ORDERS[order])
+    plan_tables.clear_plans()  # (plans keep the order they were made with)
+    if case.startswith("varlen"):
+        calls = _varlen_backward_launches(monkeypatch)
+        lens_q, lens_k = VARLEN_LENGTHS[case.removeprefix("varlen_")]
+        _check_varlen_backward(rng, torch.bfloat16, 128, lens_q, lens_k, 4, 2, causal=True)
+        assert len(calls) == 1
+    else:
+        mask = case.removeprefix("dense_")
+        q, k, v, kw = _masked_problem(rng, torch.bfloat16, 128, mask, (2, 8, 2, 1000, 1533))
+        with fmha.api.use_dispatcher(_backward_dispatcher("gluon_ws")):
+            line = next(x for x in fmha.explain(q.requires_grad_(), k, v, **kw).splitlines() if "bwd_dq_dk_dv " in x)
+            assert "gluon_ws_m64" in line, line
+            check_backward(q.detach(), k.detach(), v.detach(), truth="torch64", **kw)
+    plan_tables.clear_plans()
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_gluon_varlen_planned_calls_match_the_truth(rng, monkeypatch, direction):
+    """Repeated attention_varlen calls on CUDA take the api's call plan and the launchers' plans
+    (keyed by metadata: the lengths live on the device) with new inputs and new lengths of the same
+    metadata: forward, and backward through the planned call, against float64 per sequence."""
+    from fmha import api
+    from fmha.kernels import bwd_gluon
+
+    calls = (_varlen_launches if direction == "forward" else _varlen_backward_launches)(monkeypatch)
+    check = _check_varlen_forward if direction == "forward" else _check_varlen_backward
+    api.clear_plans()
+    # (the same total and longest sequence each time: the same metadata; empty and odd-start sequences)
+    for lens in ([700, 0, 300, 24], [100, 700, 200, 24], [3, 700, 5, 316]):
+        check(rng, torch.bfloat16, 128, lens, lens, 4, 2, causal=True)
+    (planned,) = api._FORWARD_PLANS.values()  # (the first call made it; the metadata repeats)
+    assert planned.problem.varlen
+    if direction == "forward":  # (the second call keeps the launcher's plan, the third launches it directly)
+        assert len(calls) == 2 and planned.launched is not None and planned.launched.plan.direct is not None
+    else:  # (the backward's launcher runs its own plan)
+        assert len(calls) == 3 and len(bwd_gluon._PLANS) == 1

@@ -3,6 +3,7 @@ JIT specializes on (a shared key would run a kernel compiled for other arguments
 interpreted kernel always goes through its own call. The launches themselves run in the GPU
 tests (tests/test_gpu.py::test_launch_cache_*)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -660,6 +661,50 @@ def test_api_call_plans_launch_what_the_full_path_launches(monkeypatch, layout):
         assert all(_alike(a, b) for a, b in zip(p[1], f[1], strict=True))
 
 
+@pytest.mark.parametrize("window", [(-1, 0), (50, 0)])
+def test_varlen_call_plans_launch_what_the_full_path_launches(monkeypatch, window):
+    """On the H200 path: attention_varlen's call plan (no grad; the launcher's own plan under it)
+    and the backward through it (the dK/dV launcher's plan) launch the kernels, grids and arguments
+    the full path launches for inputs of the same metadata; the plans are keyed by metadata, so
+    other lengths of the same metadata are launched alike too (the kernel reads the prefix sums)."""
+    import fmha
+    from fmha import api
+    from fmha.kernels import bwd_gluon, fwd_gluon
+
+    runs = _h200_path(monkeypatch)
+    lens = [300, 0, 77, 647]
+
+    def inputs():
+        q = torch.randn(sum(lens), 8, 128).to(torch.bfloat16).requires_grad_()
+        k, v = (torch.randn(sum(lens), 2, 128).to(torch.bfloat16).requires_grad_() for _ in range(2))
+        return q, k, v, torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+
+    def forward(ts):
+        del runs[:]
+        with torch.no_grad():
+            fmha.attention_varlen(*ts[:3], ts[3], ts[3], max(lens), max(lens), window=window)
+        return list(runs)
+
+    def backward(ts):
+        o = fmha.attention_varlen(*ts[:3], ts[3], ts[3], max(lens), max(lens), window=window)
+        del runs[:]
+        torch.autograd.grad(o, ts[:3], torch.randn_like(o))
+        return list(runs)
+
+    forward(inputs())
+    backward(inputs())
+    second = inputs()
+    planned = forward(second), backward(second)
+    assert len(api._FORWARD_PLANS) == 1 and len(fwd_gluon._PLANS) == 1 and len(bwd_gluon._PLANS) == 1
+    api.clear_plans()
+    full = forward(second), backward(second)
+    assert [len(r) for r in planned] == [len(r) for r in full] == [1, 3]
+    for p, f in zip(planned[0] + planned[1], full[0] + full[1], strict=True):
+        assert p[0] == f[0]
+        assert all(_alike(a, b) for a, b in zip(p[1], f[1], strict=True))
+    assert any(a is second[3] for a in planned[0][0][1])  # (the call's own prefix sums, not the first call's)
+
+
 def test_plans_keep_no_tensor_of_the_call_that_made_them(monkeypatch):
     """A plan (and the api's call plans above it) must not hold the first call's tensors: a
     training loop's first q, k, v, o would otherwise stay allocated for as long as the plan."""
@@ -936,7 +981,8 @@ def test_varlen_dkdv_reads_lse_and_delta_per_thread(monkeypatch):
                           scale=0.1, block_m=64, block_n=128, num_stages=3, warp_specialized=True,
                           cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=1024)
     (kernel, grid, args, kwargs), = seen
-    assert kwargs["VARLEN"] is True and kwargs["STATS_TMA"] is False and kwargs["DKDV_TMA"] is False
+    assert kwargs["VARLEN"] is True and kwargs["GRID_ORDER"] == bwd_gluon.VARLEN_GRID_ORDER
+    assert kwargs["STATS_TMA"] is False and kwargs["DKDV_TMA"] is False
     names = kernel.arg_names
     for name, t in (("lse", lse), ("delta", delta)):  # pointers (views of the tensors), not descriptors
         arg = args[names.index(name)]

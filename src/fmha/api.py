@@ -932,9 +932,8 @@ def attention(
     mask if asked for.
     """
     key = None
-    if (bias is None and alibi_slopes is None and sinks is None and q_descale is None and k_descale is None
-            and v_descale is None and descale_block_size is None and out_dtype is None and seed is None
-            and not return_dropout_mask and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+    if (_plain_call(q, k, v, (bias, alibi_slopes, sinks, q_descale, k_descale, v_descale, descale_block_size,
+                              out_dtype, seed), return_dropout_mask)
             and _plain_scalars(layout, scale, causal, window, mask_align, sink_size, softcap, dropout_p, offset,
                                deterministic) and _plain_eager()):
         key = (_meta(q), _meta(k), _meta(v), layout, scale, causal, window, mask_align, sink_size, softcap, offset,
@@ -950,10 +949,8 @@ def attention(
                    offset=offset, deterministic=deterministic, return_lse=return_lse,
                    return_dropout_mask=return_dropout_mask, q_descale=q_descale, k_descale=k_descale,
                    v_descale=v_descale, descale_block_size=descale_block_size, out_dtype=out_dtype)
-    if key is not None and not F8.is_fp8(q):  # (validated now: float8 inputs take their own op)
-        scalars = _op_scalars(0, 0, layout, scale, causal, window, mask_align, sink_size, softcap, dropout_p, None,
-                              offset, deterministic)
-        keep_plan(_FORWARD_PLANS, key, _ForwardPlan(q, k, v, scalars))
+    _keep_forward_plan(key, q, k, v, (0, 0, layout, scale, causal, window, mask_align, sink_size, softcap,
+                                      dropout_p, None, offset, deterministic))
     return result
 
 
@@ -961,6 +958,20 @@ def attention(
 # Forward call plans: a plain `attention` call repeated with inputs of the same metadata.
 
 _REAL = (float, int)
+
+
+def _keep_forward_plan(key, q, k, v, op_scalar_args: tuple, cu_seqlens=(None, None)) -> None:
+    """After the full path validated a plain call: its forward plan under `key` (None: no plan),
+    the op's scalars from `_op_scalars(*op_scalar_args)`. Not for float8 inputs (their own op)."""
+    if key is not None and not F8.is_fp8(q):
+        keep_plan(_FORWARD_PLANS, key, _ForwardPlan(q, k, v, _op_scalars(*op_scalar_args), cu_seqlens))
+
+
+def _plain_call(q, k, v, nones: tuple, return_dropout_mask) -> bool:
+    """A call a forward plan may serve: plain tensors q, k, v, every optional argument in `nones`
+    (optional tensors, float8 arguments, the seed) None, no dropout mask asked for."""
+    return (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and all(x is None for x in nones)
+            and not return_dropout_mask)
 
 
 def _plain_scalars(layout, scale, causal, window, mask_align, sink_size, softcap, dropout_p, offset,
@@ -974,8 +985,9 @@ def _plain_scalars(layout, scale, causal, window, mask_align, sink_size, softcap
 
 
 class _ForwardPlan:
-    """What a validated plain `attention` call (dense, no optional tensors, no dropout, not
-    float8) repeats for inputs of the same metadata and the same scalars (`attention`'s key):
+    """What a validated plain `attention` or `attention_varlen` call (no optional tensors, no
+    dropout, not float8) repeats for inputs of the same metadata and the same scalars (the
+    calls' keys; varlen's: cu_seqlens' metadata, and their values where validation reads them):
     the op's normalized scalars, and its forward's problem, kernel config and launcher
     arguments. A call autograd records goes through `_PlannedAttention`, whose backward keeps
     its own plans per dO metadata; otherwise the forward runs at once. Checks, description and
@@ -985,11 +997,12 @@ class _ForwardPlan:
     __slots__ = ("scalars", "problem", "scale", "config", "kernel_args", "head_dim_v", "layout", "runnable",
                  "launched", "backward_plans")
 
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor, scalars: tuple) -> None:
-        prep = _prepare_op(q, k, v, (None,) * 6 + scalars)
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, scalars: tuple,
+                 cu_seqlens: tuple[Tensor | None, Tensor | None] = (None, None)) -> None:
+        prep = _prepare_op(q, k, v, (None, None, None, *cu_seqlens, None) + scalars)
         self.scalars, self.problem, self.scale = scalars, prep.problem, prep.scale
         self.config = _plan_forward(prep.problem, False).config(Family.FWD)
-        self.kernel_args = _kernel_args(prep, None, None, None, None, None, scalars[11], scalars[12])
+        self.kernel_args = _kernel_args(prep, None, None, *cu_seqlens, None, scalars[11], scalars[12])
         self.head_dim_v, self.layout = v.shape[-1], scalars[2]
         self.runnable = None
         if self.config.algorithm.pipeline.is_gluon:
@@ -999,31 +1012,39 @@ class _ForwardPlan:
         self.launched = None  # the Gluon launcher's own plan (fwd_gluon.launch), once it ran
         self.backward_plans: dict = {}  # dO's metadata -> _BackwardPlan (`_bwd_body`)
 
-    def run(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def run(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None = None,
+            cu_k: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """o, lse of q, k, v (and a varlen call's cu_seqlens_q/k)."""
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return _PlannedAttention.apply(self, q, k, v)
-        return self.forward(q, k, v)
+            return _PlannedAttention.apply(self, q, k, v, cu_q, cu_k)
+        return self.forward(q, k, v, cu_q, cu_k)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None = None,
+                cu_k: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """o, lse: the forward's body as the plan keeps it."""
-        o, o_view, lse = _alloc_like(q, self.head_dim_v, False, self.layout)
+        o, o_view, lse = _alloc_like(q, self.head_dim_v, cu_q is not None, self.layout)
         if not (o.numel() or lse.numel()):
             return o, lse
         prep = _prepared_views(self.problem, q, k, v, self.scale)
         if self.launched is not None and self.runnable(self.launched):
-            self.launched.launch(prep.q, prep.k, prep.v, o_view, lse)
+            if cu_q is None:
+                self.launched.launch(prep.q, prep.k, prep.v, o_view, lse)
+            else:
+                self.launched.launch(prep.q, prep.k, prep.v, o_view, lse, cu_q, cu_k)
             return o, lse
-        launched = _launch_forward(prep, self.config, o_view, lse, None, self.kernel_args)
+        kernel_args = self.kernel_args if cu_q is None else {**self.kernel_args, "cu_seqlens_q": cu_q,
+                                                             "cu_seqlens_k": cu_k}
+        launched = _launch_forward(prep, self.config, o_view, lse, None, kernel_args)
         if self.runnable is not None:
             self.launched = launched
         return o, lse
 
-    def backward(self, grad_o, grad_lse, q, k, v, o, lse) -> tuple[Tensor, Tensor, Tensor]:
-        """dq, dk, dv of the forward this plan ran on q, k, v (o, lse), as `_backward`."""
+    def backward(self, grad_o, grad_lse, q, k, v, cu_q, cu_k, o, lse) -> tuple[Tensor, Tensor, Tensor]:
+        """dq, dk, dv of the forward this plan ran on q, k, v (cu_seqlens_q/k, o, lse), as `_backward`."""
         if len(self.backward_plans) >= 16:  # (dO's metadata: a few variants at most)
             self.backward_plans.clear()
-        return _run_backward(grad_o, grad_lse, o, lse, False, False, (q, k, v) + (None,) * 6, self.scalars,
-                             (self.problem, self.scale), self.backward_plans)[:3]
+        return _run_backward(grad_o, grad_lse, o, lse, False, False, (q, k, v, None, None, None, cu_q, cu_k, None),
+                             self.scalars, (self.problem, self.scale), self.backward_plans)[:3]
 
 
 class _PlannedAttention(torch.autograd.Function):
@@ -1036,8 +1057,8 @@ class _PlannedAttention(torch.autograd.Function):
         return super(torch.autograd.Function, cls).apply(*args)
 
     @staticmethod
-    def forward(plan, q, k, v):
-        return plan.forward(q, k, v)
+    def forward(plan, q, k, v, cu_q, cu_k):
+        return plan.forward(q, k, v, cu_q, cu_k)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -1047,7 +1068,7 @@ class _PlannedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
-        return (None, *ctx.plan.backward(grad_o, grad_lse, *ctx.saved_tensors))
+        return (None, *ctx.plan.backward(grad_o, grad_lse, *ctx.saved_tensors), None, None)
 
 
 _FORWARD_PLANS = plan_table()  # (forgotten with the launchers' plans: plan_tables.clear_plans)
@@ -1076,14 +1097,46 @@ def attention_varlen(
     """
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise TypeError("attention_varlen needs cu_seqlens_q and cu_seqlens_k (int32 tensors)")
-    return _call(q, k, v, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
-                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout="bhsd",
-                 scale=scale, causal=causal, window=window, mask_align=mask_align,
-                 sink_size=sink_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
-                 offset=offset, deterministic=deterministic, return_lse=return_lse,
-                 return_dropout_mask=return_dropout_mask, q_descale=q_descale, k_descale=k_descale,
-                 v_descale=v_descale, descale_block_size=descale_block_size, out_dtype=out_dtype)
+    key = None
+    if (_plain_call(q, k, v, (seqused_k, bias, alibi_slopes, sinks, q_descale, k_descale, v_descale,
+                              descale_block_size, out_dtype, seed), return_dropout_mask)
+            and type(cu_seqlens_q) is Tensor and type(cu_seqlens_k) is Tensor and type(max_seqlen_q) is int
+            and type(max_seqlen_k) is int
+            and _plain_scalars("bhsd", scale, causal, window, mask_align, sink_size, softcap, dropout_p, offset,
+                               deterministic) and _plain_eager()):
+        key = _varlen_plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                               window, mask_align, sink_size, softcap, offset, deterministic)
+        plan = _FORWARD_PLANS.get(key) if key is not None else None
+        if plan is not None:
+            o, lse = plan.run(q, k, v, cu_seqlens_q, cu_seqlens_k)
+            return (o, lse) if return_lse else o
+    result = _call(q, k, v, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
+                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout="bhsd",
+                   scale=scale, causal=causal, window=window, mask_align=mask_align,
+                   sink_size=sink_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
+                   offset=offset, deterministic=deterministic, return_lse=return_lse,
+                   return_dropout_mask=return_dropout_mask, q_descale=q_descale, k_descale=k_descale,
+                   v_descale=v_descale, descale_block_size=descale_block_size, out_dtype=out_dtype)
+    _keep_forward_plan(key, q, k, v, (max_seqlen_q, max_seqlen_k, "bhsd", scale, causal, window, mask_align,
+                                      sink_size, softcap, dropout_p, None, offset, deterministic),
+                       (cu_seqlens_q, cu_seqlens_k))
+    return result
+
+
+def _varlen_plan_key(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, *scalars) -> tuple | None:
+    """An `attention_varlen` call plan's key: the metadata and scalars, and the cu_seqlens values
+    where validation reads them (CPU tensors: a repeated call must pass the same checks); None in
+    debug mode off the CPU (validation then reads device values every call: no plan)."""
+    values = None
+    if cu_q.dim() != 1 or cu_k.dim() != 1:  # (refused by the full path)
+        return None
+    if cu_q.device.type == "cpu":
+        values = (tuple(cu_q.tolist()), tuple(cu_k.tolist()))
+    elif V.debug_enabled():
+        return None
+    return ("varlen", _meta(q), _meta(k), _meta(v), _meta(cu_q), _meta(cu_k), values, max_seqlen_q, max_seqlen_k,
+            *scalars)
 
 
 def problem_of(q: Tensor, k: Tensor, v: Tensor, *, layout: str = "bhsd", scale=None,

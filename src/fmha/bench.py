@@ -305,15 +305,17 @@ def _make_call(name: str, shape: Shape, gqa_native: bool = True, device: str = "
     if name == "fmha":
         from .api import attention, attention_varlen
 
-        if shape.docs:  # the batch's one sequence as packed (total, H, D) views of bhsd tensors
+        if shape.docs:  # the batch's one sequence as packed (total, H, D) tensors, varlen's own layout
             lengths = doc_lengths(shape.seqlen, shape.docs)
             cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
             longest = max(lengths)
 
             def packed(q, k, v):
-                o = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
-                                     longest, longest, causal=True)
-                return o.transpose(0, 1)[None]
+                return attention_varlen(q, k, v, cu, cu, longest, longest, causal=True).transpose(0, 1)[None]
+            # The call takes packed copies (`_setup` makes them, untimed), as a varlen caller holds its
+            # tensors: views of the bhsd ones would add three strided copies to every backward
+            # (the gradients of the views, which FlexAttention on bhsd tensors does not pay).
+            packed.prepare = lambda t: t[0].transpose(0, 1).contiguous()
             return packed
         if shape.window:  # the last `window` keys, the query's own included
             return lambda q, k, v: attention(q, k, v, window=(shape.window - 1, 0))
@@ -386,6 +388,9 @@ def _setup(name: str, shape: Shape, mode: str, q, k, v, dout) -> _Runner:
     note = ""
     try:
         call = _make_call(name, shape)
+        prepare = getattr(call, "prepare", None)  # (a contender's own layout of the inputs)
+        if prepare is not None:
+            q, k, v = prepare(q), prepare(k), prepare(v)
         try:
             return _setup_call(name, call, mode, q, k, v, dout, note)
         except Exception as e:

@@ -46,6 +46,17 @@ LOG2E = gl.constexpr(1.4426950408889634)
 # sliding window (window_left, 0) (rows i see keys i + diag - window_left <= j <= i + diag). The
 # persistent kernel takes no window.
 LEFT_WINDOW = gl.constexpr(2)
+# GRID_ORDER: which (batch or sequence, KV head, key tile) program pid of a one-tile grid takes
+# (the persistent kernel walks its own, TILE_ORDER). Under causal a head's first key tiles hold the
+# most query tiles. SEQ_MAJOR: batch by batch, head by head, a head's key tiles in a row (the last
+# heads' heavy first tiles start late). TILE_MAJOR: key tile outermost, every (batch, head) inside
+# (heaviest first, but the programs running together read different heads' queries: L2 misses).
+# SEQ_BANDS: batch by batch and, inside one, key tile then head (a batch's heavy tiles first, its
+# heads' queries shared in L2). H200, attempt 66 (docs/performance.md): varlen SEQ_BANDS +2% over
+# SEQ_MAJOR, TILE_MAJOR -11..-22%.
+SEQ_MAJOR, TILE_MAJOR, SEQ_BANDS = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+GRID_ORDERS = {"seq_major": SEQ_MAJOR.value, "tile_major": TILE_MAJOR.value, "seq_bands": SEQ_BANDS.value}
+DENSE_GRID_ORDER, VARLEN_GRID_ORDER = SEQ_MAJOR.value, SEQ_BANDS.value
 # Warp-specialized variant: 8 compute warps + 1 loader warp + 2 writer warps, padded to 12
 # warps, start at 168 registers (12 * 32 * 168 < 64K); the workers drop to WORKER_REGS and
 # the compute warpgroups take 240. Every worker warp of the padded warpgroup must fit that
@@ -122,16 +133,33 @@ def _red_add_v4(ptrs, values, mask):
 
 
 @gluon.jit
+def _grid_tile(num_n, nheads_k, GRID_ORDER: gl.constexpr):
+    """(batch or sequence * nheads_k + KV head, key tile) of this program of a one-tile grid of
+    num_n key tiles a head, in GRID_ORDER."""
+    pid = gl.program_id(0)
+    if GRID_ORDER == TILE_MAJOR:
+        n_bh = gl.num_programs(0) // num_n
+        bh = pid % n_bh
+        tile = pid // n_bh
+    elif GRID_ORDER == SEQ_BANDS:
+        rest = pid % (num_n * nheads_k)
+        bh = pid // (num_n * nheads_k) * nheads_k + rest % nheads_k
+        tile = rest // nheads_k
+    else:
+        bh = pid // num_n
+        tile = pid % num_n
+    return bh, tile
+
+
+@gluon.jit
 def _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GRID_ORDER: gl.constexpr = SEQ_MAJOR):
     """(b, KV head, first query head, first key, first query tile, query tiles per head) of
     this program. Causal rows i see keys j <= i + diag: earlier query tiles are skipped; with
     CAUSAL == LEFT_WINDOW rows i also see only keys j >= i + diag - window_left: the query tiles
     after the last row whose window reaches the tile's last key are skipped too."""
-    num_n = gl.cdiv(seqlen_k, BLOCK_N)
-    pid = gl.program_id(0)
-    bh = pid // num_n
-    n0 = (pid % num_n) * BLOCK_N
+    bh, tile = _grid_tile(gl.cdiv(seqlen_k, BLOCK_N), nheads_k, GRID_ORDER)
+    n0 = tile * BLOCK_N
     b = bh // nheads_k
     hk = bh % nheads_k
     m_start = 0
@@ -146,10 +174,10 @@ def _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL: gl
 
 
 @gluon.jit
-def _varlen_key_tile(args, stride_lm, stride_dem, CAUSAL: gl.constexpr, STATS_TMA: gl.constexpr,
-                     DQ_TMA: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _varlen_key_tile(args, stride_lm, stride_dem, GRID_ORDER: gl.constexpr, CAUSAL: gl.constexpr,
+                     STATS_TMA: gl.constexpr, DQ_TMA: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """`_key_tile` of a varlen launch (VARLEN): the grid covers the longest sequence's key tiles
-    (args' seqlen_k) for every (sequence, KV head); sequence b's queries start at q0 =
+    (args' seqlen_k) for every (sequence, KV head), in GRID_ORDER; sequence b's queries start at q0 =
     cu_seqlens_q[b], its keys at k0 = cu_seqlens_k[b], and args' diag is 1 for bottom-right
     alignment, 0 for top-left. Returns (0 (the TMA batch coordinate of the (1, H, total, D) views),
     KV head, first query head, first key, first query tile, query tiles per head, q0, k0, the
@@ -161,10 +189,8 @@ def _varlen_key_tile(args, stride_lm, stride_dem, CAUSAL: gl.constexpr, STATS_TM
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
-    num_n = gl.cdiv(seqlen_k, BLOCK_N)
-    pid = gl.program_id(0)
-    bh = pid // num_n
-    n0 = (pid % num_n) * BLOCK_N
+    bh, tile = _grid_tile(gl.cdiv(seqlen_k, BLOCK_N), nheads_k, GRID_ORDER)
+    n0 = tile * BLOCK_N
     b = bh // nheads_k
     hk = bh % nheads_k
     q0 = gl.load(cu_seqlens_q + b)
@@ -545,18 +571,19 @@ def _ring_step(base, j, hq0, m_start, n_m, BLOCK_M: gl.constexpr, BUFS: gl.const
 
 @gluon.jit
 def _ws_loader(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, STATS_TMA: gl.constexpr, VARLEN: gl.constexpr = False):
+               STAGES: gl.constexpr, STATS_TMA: gl.constexpr, VARLEN: gl.constexpr = False,
+               GRID_ORDER: gl.constexpr = SEQ_MAJOR):
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     q0 = 0
     k0 = 0
     if VARLEN:  # (TMA only: no pointer offsets)
-        b, hk, hq0, n0, m_start, n_m, q0, k0, _, _ = _varlen_key_tile(args, 0, 0, CAUSAL, True, True, BLOCK_M,
-                                                                      BLOCK_N)
+        b, hk, hq0, n0, m_start, n_m, q0, k0, _, _ = _varlen_key_tile(
+            args, 0, 0, GRID_ORDER, CAUSAL, True, True, BLOCK_M, BLOCK_N)
     else:
         b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
-                                                 BLOCK_M, BLOCK_N)
+                                                 BLOCK_M, BLOCK_N, GRID_ORDER)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, k0 + n0, 0], kv_bar, k_smem.reshape(k_desc.block_type.shape))
     tma.async_copy_global_to_shared(v_desc, [b, hk, k0 + n0, 0], kv_bar, v_smem.reshape(v_desc.block_type.shape))
@@ -649,7 +676,8 @@ def _add_dq(dq_acc, bufs, b, h, m0, q0, seqlen_q, stride_dqb, stride_dqh, stride
 
 @gluon.jit
 def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_TMA: gl.constexpr, VARLEN: gl.constexpr = False):
+                  HEAD_DIM: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_TMA: gl.constexpr, VARLEN: gl.constexpr = False,
+                  GRID_ORDER: gl.constexpr = SEQ_MAJOR):
     """Adds each handed-over dQ tile to dq_acc: with DQ_TMA by one TMA reduce-add of the
     buffer, released once the copy engine has read it; else in blocks of 8 rows x 32 columns
     (one swizzle atom of the fp32 buffer: 8 rows of 128 bytes), one quad of consecutive columns
@@ -660,11 +688,11 @@ def _ws_dq_writer(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     q0 = 0
     if VARLEN:
-        b, hk, hq0, n0, m_start, n_m, q0, k0, _, args = _varlen_key_tile(args, 0, 0, CAUSAL, True, DQ_TMA, BLOCK_M,
-                                                                         BLOCK_N)
+        b, hk, hq0, n0, m_start, n_m, q0, k0, _, args = _varlen_key_tile(
+            args, 0, 0, GRID_ORDER, CAUSAL, True, DQ_TMA, BLOCK_M, BLOCK_N)
     else:
         b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
-                                                 BLOCK_M, BLOCK_N)
+                                                 BLOCK_M, BLOCK_N, GRID_ORDER)
     _ws_dq_writer_tile(args, b, hq0, m_start, n_m, 0, q0, BLOCK_M, HEAD_DIM, DQ_BUFS, DQ_TMA)
 
 
@@ -728,7 +756,8 @@ def _ws_tile_start(kv_bar, kv_phase, n0, BLOCK_N: gl.constexpr, S_COLS: gl.const
 @gluon.jit
 def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr,
-                DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr, VARLEN: gl.constexpr = False):
+                DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr, VARLEN: gl.constexpr = False,
+                GRID_ORDER: gl.constexpr = SEQ_MAJOR):
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
@@ -736,12 +765,12 @@ def _ws_compute(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.c
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
     if VARLEN:
-        b, hk, hq0, n0, m_start, n_m, q0, k0, seqlen_k, args = _varlen_key_tile(args, stride_lm, stride_dem, CAUSAL,
-                                                                                STATS_TMA, DQ_TMA, BLOCK_M, BLOCK_N)
+        b, hk, hq0, n0, m_start, n_m, q0, k0, seqlen_k, args = _varlen_key_tile(
+            args, stride_lm, stride_dem, GRID_ORDER, CAUSAL, STATS_TMA, DQ_TMA, BLOCK_M, BLOCK_N)
         out_args = _varlen_out_args(out_args, k0)
     else:
         b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
-                                                 BLOCK_M, BLOCK_N)
+                                                 BLOCK_M, BLOCK_N, GRID_ORDER)
     dk, dv = _ws_compute_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL, BLOCK_M,
                               BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)
     _ws_store_dkdv(dk, dv, out_args, k_smem, v_smem, b, hk, n0, seqlen_k, BLOCK_N, HEAD_DIM, DKDV_TMA)
@@ -845,7 +874,8 @@ def _stat_half(ptr, smem, stat_ready, stage, phase, b, h, queries, m0, seqlen_q,
 def _ws_compute_m128(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
                      DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr,
-                     VARLEN: gl.constexpr = False):
+                     VARLEN: gl.constexpr = False,
+                     GRID_ORDER: gl.constexpr = SEQ_MAJOR):
     """`_ws_compute` for 128-query stages (BLOCK_M = 128, FlashAttention-3's D=64 tile), worked
     in two 64-query halves so that S^T and dP^T (and P^T, dS^T) of one half only are live:
 
@@ -864,12 +894,12 @@ def _ws_compute_m128(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M:
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
     if VARLEN:
-        b, hk, hq0, n0, m_start, n_m, q0, k0, seqlen_k, args = _varlen_key_tile(args, stride_lm, stride_dem, CAUSAL,
-                                                                                STATS_TMA, DQ_TMA, BLOCK_M, BLOCK_N)
+        b, hk, hq0, n0, m_start, n_m, q0, k0, seqlen_k, args = _varlen_key_tile(
+            args, stride_lm, stride_dem, GRID_ORDER, CAUSAL, STATS_TMA, DQ_TMA, BLOCK_M, BLOCK_N)
         out_args = _varlen_out_args(out_args, k0)
     else:
         b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
-                                                 BLOCK_M, BLOCK_N)
+                                                 BLOCK_M, BLOCK_N, GRID_ORDER)
     dk, dv = _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL, BLOCK_M,
                                    BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA)
     _ws_store_dkdv(dk, dv, out_args, k_smem, v_smem, b, hk, n0, seqlen_k, BLOCK_N, HEAD_DIM, DKDV_TMA)
@@ -947,15 +977,16 @@ def _ws_compute_m128_tile(args, lse_strides, qk_scale, b, hk, hq0, n0, m_start, 
 def _ws_compute_partition(args, lse_strides, out_args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                           STATS_TMA: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr,
-                          DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr, VARLEN: gl.constexpr = False):
+                          DQ_TMA: gl.constexpr, DKDV_TMA: gl.constexpr, VARLEN: gl.constexpr = False,
+                          GRID_ORDER: gl.constexpr = SEQ_MAJOR):
     """The compute partition: 128-query stages in two 64-query halves (`_ws_compute_m128`) or
     64-query stages (`_ws_compute`)."""
     if BLOCK_M == 128:
         _ws_compute_m128(args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
-                         DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA, VARLEN)
+                         DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA, VARLEN, GRID_ORDER)
     else:
         _ws_compute(args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA,
-                    DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA, VARLEN)
+                    DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA, VARLEN, GRID_ORDER)
 
 
 @gluon.jit
@@ -1018,7 +1049,8 @@ def _ws_compute_persistent(args, kv_empty, lse_strides, out_args, p_smem, dkdv_s
 def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
                      DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr,
-                     DKDV_TMA: gl.constexpr, VARLEN: gl.constexpr = False):
+                     DKDV_TMA: gl.constexpr, VARLEN: gl.constexpr = False,
+                     GRID_ORDER: gl.constexpr = SEQ_MAJOR):
     """`_ws_compute` for D=256 (DQ_ALIAS): bwd_dkdv_kernel's 64 keys x 64 queries on 8 warps
     (warpgroup w: S^T/dP^T of queries 32w..32w+31, dK/dV of head-dim columns 128w..128w+127; P^T
     and dS^T reach the other warpgroup's queries through shared memory), dQ in two column
@@ -1044,12 +1076,12 @@ def _ws_compute_d256(args, lse_strides, out_args, p_smem, CAUSAL: gl.constexpr, 
     (dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      qk_scale, scale) = out_args
     if VARLEN:
-        b, hk, hq0, n0, m_start, n_m, q0, k0, seqlen_k, args = _varlen_key_tile(args, stride_lm, stride_dem, CAUSAL,
-                                                                                STATS_TMA, DQ_TMA, BLOCK_M, BLOCK_N)
+        b, hk, hq0, n0, m_start, n_m, q0, k0, seqlen_k, args = _varlen_key_tile(
+            args, stride_lm, stride_dem, GRID_ORDER, CAUSAL, STATS_TMA, DQ_TMA, BLOCK_M, BLOCK_N)
         out_args = _varlen_out_args(out_args, k0)
     else:
         b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
-                                                 BLOCK_M, BLOCK_N)
+                                                 BLOCK_M, BLOCK_N, GRID_ORDER)
     dk, dv = _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m_start, n_m, 0, 0, CAUSAL,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY,
                                    PS_SMEM)
@@ -1130,7 +1162,8 @@ def _ws_compute_d256_tile(args, lse_strides, qk_scale, p_smem, b, hk, hq0, n0, m
 @gluon.jit
 def _ws_dq_writer_alias(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr,
-                        VARLEN: gl.constexpr = False):
+                        VARLEN: gl.constexpr = False,
+                        GRID_ORDER: gl.constexpr = SEQ_MAJOR):
     """`_ws_dq_writer` for `_ws_compute_d256`: dQ's two column halves lie in the stage's Q and
     dO buffers (fp32, BLOCK_M x DQ_COLS each); after adding them (two TMA reduce-adds, or the
     red.v4 blocks of `_ws_dq_writer`) the writer, not the compute warps, releases the stage."""
@@ -1139,11 +1172,11 @@ def _ws_dq_writer_alias(args, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
     q0 = 0
     if VARLEN:
-        b, hk, hq0, n0, m_start, n_m, q0, k0, _, args = _varlen_key_tile(args, 0, 0, CAUSAL, True, DQ_TMA, BLOCK_M,
-                                                                         BLOCK_N)
+        b, hk, hq0, n0, m_start, n_m, q0, k0, _, args = _varlen_key_tile(
+            args, 0, 0, GRID_ORDER, CAUSAL, True, DQ_TMA, BLOCK_M, BLOCK_N)
     else:
         b, hk, hq0, n0, m_start, n_m = _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL,
-                                                 BLOCK_M, BLOCK_N)
+                                                 BLOCK_M, BLOCK_N, GRID_ORDER)
     _ws_dq_writer_alias_tile(args, b, hq0, m_start, n_m, 0, q0, BLOCK_M, STAGES, DQ_COLS, DQ_TMA)
 
 
@@ -1183,7 +1216,8 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
                        DQ_BUFS: gl.constexpr, DQ_COLS: gl.constexpr, DQ_TMA: gl.constexpr,
                        DQ_ALIAS: gl.constexpr, DQ_EARLY: gl.constexpr, PS_SMEM: gl.constexpr,
                        PERSISTENT: gl.constexpr = False, TILE_ORDER: gl.constexpr = 0,
-                       DKDV_TMA: gl.constexpr = False, VARLEN: gl.constexpr = False):
+                       DKDV_TMA: gl.constexpr = False, VARLEN: gl.constexpr = False,
+                       GRID_ORDER: gl.constexpr = SEQ_MAJOR):
     """Arguments as bwd_dkdv_kernel's (dq_acc 16-byte aligned, strides multiples of 4; with
     DQ_TMA its descriptor, blocks of BLOCK_M x HEAD_DIM). DQ_BUFS: dQ hand-over buffers in shared
     memory; DQ_COLS: dQ columns per product.
@@ -1280,16 +1314,16 @@ def bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk_p
     elif DQ_ALIAS:  # D=256: 64 keys x 64 queries, dQ staged in the consumed Q/dO stage
         gl.warp_specialize([
             (_ws_compute_d256, (args, lse_strides, out_args, p_smem, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY, PS_SMEM, DKDV_TMA, VARLEN)),
-            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA, VARLEN)),
-            (_ws_dq_writer_alias, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, DQ_TMA, VARLEN)),
+                                STATS_TMA, DQ_COLS, DQ_TMA, DQ_EARLY, PS_SMEM, DKDV_TMA, VARLEN, GRID_ORDER)),
+            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA, VARLEN, GRID_ORDER)),
+            (_ws_dq_writer_alias, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, DQ_TMA, VARLEN, GRID_ORDER)),
         ], [1, 2], [WORKER_REGS, WORKER_REGS])
     else:  # 64- or 128-query stages (_ws_compute_partition picks the body)
         gl.warp_specialize([
             (_ws_compute_partition, (args, lse_strides, out_args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                     STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA, VARLEN)),
-            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA, VARLEN)),
-            (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA, VARLEN)),
+                                     STATS_TMA, DQ_BUFS, DQ_COLS, DQ_TMA, DKDV_TMA, VARLEN, GRID_ORDER)),
+            (_ws_loader, (args, CAUSAL, BLOCK_M, BLOCK_N, STAGES, STATS_TMA, VARLEN, GRID_ORDER)),
+            (_ws_dq_writer, (args, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_BUFS, DQ_TMA, VARLEN, GRID_ORDER)),
         ], [1, 2], [WORKER_REGS, WORKER_REGS])
 
 
@@ -1362,8 +1396,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
                delta.stride(), dq_acc.stride(), dk.stride(), dv.stride(), q.dtype, dk.dtype, dv.dtype, lse.dtype,
                delta.dtype, dq_acc.dtype, lse.data_ptr() % 16, delta.data_ptr() % 16, dq_acc.data_ptr() % 16,
                dk.data_ptr() % 16 == 0, dv.data_ptr() % 16 == 0, q.get_device(), launch_cache.current_device(),
-               id(SHAPES), causal, align_bottom_right, scale, block_m, block_n, num_stages, num_warps,
-               warp_specialized, persistent, window_left)
+               id(SHAPES), DENSE_GRID_ORDER, causal, align_bottom_right, scale, block_m, block_n, num_stages,
+               num_warps, warp_specialized, persistent, window_left)
         planned = _PLANS.get(key)
         if planned is not None:
             planned.launch(q, k, v, do, lse, delta, dk, dv, dq_acc)
@@ -1406,35 +1440,54 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *, causal: bool, align_
 def _launch_dkdv_varlen(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                         max_seqlen_k: int, *, causal: bool, align_bottom_right: bool, scale: float, block_m: int,
                         block_n: int, num_stages: int, warp_specialized: bool, persistent: bool,
-                        window_left: int) -> None:
+                        window_left: int) -> launch_cache.Planned | None:
     """`launch_dkdv` of packed sequences (VARLEN; see bwd_dkdv_ws_kernel): (1, H, total, D) views,
-    dK/dV by per-thread stores with batch strides 0, rows offset per sequence in the kernel."""
+    dK/dV by per-thread stores with batch strides 0, rows offset per sequence in the kernel. Its
+    plan is keyed by metadata and max_seqlen_q/k: the prefix sums are read by the kernel only."""
     if persistent or not warp_specialized:
         raise ValueError("varlen dK/dV: the one-tile warp-specialized kernel only (warp_specialized=True, "
                          "persistent=False)")
+    key = None
+    if launch_cache.plans_enabled(bwd_dkdv_ws_kernel):
+        key = ("varlen", *(x for t in (q, k, v, do, lse, delta, dk, dv, dq_acc) for x in (t.shape, t.stride())),
+               q.dtype, dk.dtype, dv.dtype, dq_acc.data_ptr() % 16, cu_seqlens_q.shape, cu_seqlens_k.shape,
+               max_seqlen_q, max_seqlen_k, q.get_device(), launch_cache.current_device(), id(SHAPES),
+               VARLEN_GRID_ORDER, causal, align_bottom_right, scale, block_m, block_n, num_stages, window_left)
+        planned = _PLANS.get(key)
+        if planned is not None:
+            planned.launch(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k)
+            return planned
     batch = cu_seqlens_q.numel() - 1
     nheads_q, head_dim = q.shape[1], q.shape[2]
     nheads_k = k.shape[1]
-    q4, k4, v4, do4, acc4 = (t.permute(1, 0, 2)[None] for t in (q, k, v, do, dq_acc))
-    lse3, delta3 = lse[None], delta[None]
     # LSE/delta by per-thread loads: a TMA copy of a sequence's rows starts at its first query,
     # whose fp32 address is 16-byte aligned only where cu_seqlens_q[b] % 4 == 0 (a misaligned
     # start faulted: "illegal instruction", H200, 2026-12-01; the prefix sums live on the device).
     stats_tma = False
+    acc4 = dq_acc.permute(1, 0, 2)[None]
     kernel, constexprs, options, reduce_cols = _kernel_spec(  # (dq_v2: the kernel without warp specialization's)
         head_dim, block_m, block_n, num_stages, causal=LEFT_WINDOW.value if window_left >= 0 else causal,
         stats_tma=stats_tma, dq_tma=tma_aligned(acc4), dq_v2=False, num_warps=8, warp_specialized=True,
         dkdv_tma=False)
     _check_dq_quads(constexprs["DQ_TMA"], acc4, dq_acc)
+    scalars = (max_seqlen_q, max_seqlen_k, nheads_k, nheads_q // nheads_k, int(align_bottom_right),
+               scale * LOG2E.value, scale, max(window_left, -1))
+
+    def arrange(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_q, cu_k):
+        """The kernel's arguments (TMA descriptors' places: the (1, H, total, D) views they span)."""
+        q4, k4, v4, do4, acc4 = (t.permute(1, 0, 2)[None] for t in (q, k, v, do, dq_acc))
+        return (q4, k4, v4, do4, lse[None], delta[None], acc4, dk, dv, 0, lse.stride(0), lse.stride(1), 0,
+                delta.stride(0), delta.stride(1), *acc4.stride()[:3], 0, dk.stride(1), dk.stride(0), 0, dv.stride(1),
+                dv.stride(0), *scalars, cu_q, cu_k)
+
+    q4, k4, v4, do4, lse3, delta3, acc4, *rest = arrange(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q,
+                                                         cu_seqlens_k)
     args = _tensor_args(q4, k4, v4, do4, lse3, delta3, dk, dv, acc4, block_m, block_n, stats_tma,
                         constexprs["DQ_TMA"], reduce_cols, False)
     grid = (cdiv(max_seqlen_k, block_n) * batch * nheads_k,)
-    launch_cache.launch(kernel, grid, *args, 0, lse.stride(0), lse.stride(1), 0, delta.stride(0), delta.stride(1),
-                        *acc4.stride()[:3], 0, dk.stride(1), dk.stride(0), 0, dv.stride(1), dv.stride(0),
-                        max_seqlen_q, max_seqlen_k, nheads_k, nheads_q // nheads_k, int(align_bottom_right),
-                        scale * LOG2E.value, scale, max(window_left, -1), cu_seqlens_q, cu_seqlens_k,
-                        **{**constexprs, "VARLEN": True}, **options)
-    return None
+    plan = launch_cache.make_plan(kernel, grid, *args, *rest[2:], **{**constexprs, "VARLEN": True,
+                                                                     "GRID_ORDER": VARLEN_GRID_ORDER}, **options)
+    return launch_cache.keep(_PLANS, key, plan, kernel, (), arrange)
 
 
 def _plan_tensors(q, k, v, do, lse, delta, dk, dv, dq_acc) -> tuple:
@@ -1531,7 +1584,8 @@ def _kernel_spec(head_dim, block_m, block_n, num_stages, *, causal, stats_tma, d
         constexprs = dict(common, DQ_BUFS=shape["dq_bufs"], DQ_COLS=shape["dq_cols"], DQ_TMA=dq_tma,
                           DQ_ALIAS=alias, DQ_EARLY=alias and bool(shape.get("dq_early")),
                           PS_SMEM=alias and bool(shape.get("ps_smem")), PERSISTENT=persistent, TILE_ORDER=order,
-                          DKDV_TMA=dkdv_tma, VARLEN=False)
+                          DKDV_TMA=dkdv_tma, VARLEN=False,
+                          GRID_ORDER=SEQ_MAJOR.value if persistent else DENSE_GRID_ORDER)
         return (bwd_dkdv_ws_kernel, constexprs, {"num_warps": 8, "maxnreg": 168},
                 shape["dq_cols"] if alias else head_dim)
     dq_cols = shape.get("dq_cols", dq_columns(head_dim))
@@ -1568,7 +1622,7 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
         warp_specialized=warp_specialized, persistent=persistent, tile_order=tile_order,
         dkdv_tma=dkdv_tma and not varlen)
     if warp_specialized:
-        constexprs["VARLEN"] = varlen
+        constexprs.update(VARLEN=varlen, GRID_ORDER=VARLEN_GRID_ORDER if varlen else constexprs["GRID_ORDER"])
     elif varlen:
         raise ValueError("varlen dK/dV: the warp-specialized kernel only")
     dq_type = descriptor_type("fp32", block_m, reduce_cols) if constexprs["DQ_TMA"] else "*fp32"

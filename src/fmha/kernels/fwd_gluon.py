@@ -781,7 +781,7 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
 
     cu_seqlens_q/k (int32 (B + 1,) prefix sums; one tile a program, fp16/bf16): packed sequences
     (VARLEN), q/k/v/o (total, H, D), lse (Hq, total_q), max_seqlen_q/k the longest sequences;
-    masks align per sequence. No launch plan (the prefix sums' values change the work).
+    masks align per sequence.
 
     Returns the launch plan this call ran or made (None: none): `Planned.launch(q, k, v, o, lse)`
     repeats it for inputs of the same metadata and the same scalar arguments."""
@@ -852,9 +852,20 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
 def _launch_varlen(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                    causal: bool, align_bottom_right: bool, scale: float, block_m: int, block_n: int,
                    num_stages: int, pingpong: bool, persistent: bool, descales, rescale_tau: float | None,
-                   window_left: int) -> None:
+                   window_left: int) -> launch_cache.Planned | None:
     """`launch` of packed sequences (VARLEN; see fwd_ws_kernel): (1, H, total, D) views of q/k/v,
-    o and lse addressed with batch stride 0 and rows offset per sequence in the kernel."""
+    o and lse addressed with batch stride 0 and rows offset per sequence in the kernel. Its plan is
+    keyed by metadata and max_seqlen_q/k: the prefix sums are read by the kernel, not the launch."""
+    key = None
+    if launch_cache.plans_enabled(fwd_ws_kernel):
+        key = ("varlen", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(),
+               lse.shape, lse.stride(), q.dtype, o.dtype, cu_seqlens_q.shape, cu_seqlens_k.shape, max_seqlen_q,
+               max_seqlen_k, q.get_device(), launch_cache.current_device(), causal, align_bottom_right, scale,
+               block_m, block_n, num_stages, pingpong, persistent, descales is None, rescale_tau, window_left)
+        planned = _PLANS.get(key)
+        if planned is not None:
+            planned.launch(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+            return planned
     if persistent or q.dtype == torch.float8_e4m3fn or descales is not None:
         raise ValueError("varlen: the one-tile fp16/bf16 kernel only (persistent=False, no fp8 descales)")
     if window_left >= 0 and not causal:
@@ -862,23 +873,29 @@ def _launch_varlen(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     batch = cu_seqlens_q.numel() - 1
     nheads_q, head_dim = q.shape[1], q.shape[2]
     nheads_k = k.shape[1]
-    q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (q, k, v))  # (o: per-thread stores, its own strides)
     grid = (cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
     maxnreg, consumer_regs, producer_regs = registers(block_m)
     tau = float(default_rescale_tau(head_dim, False, False) if rescale_tau is None else rescale_tau)
     check_rescale_tau(tau, False)
+    # (after o and lse: every argument fixed by the key but the prefix sums)
+    scalars = (max_seqlen_q, max_seqlen_k, nheads_q, nheads_q // nheads_k, int(align_bottom_right),
+               max(abs(scale) * LOG2E, TINY_SCALE.value), None, 0, 0, 1, None, 0, 0, None, 0, 0, max(window_left, -1))
+
+    def arrange(q, k, v, o, lse, cu_q, cu_k):
+        """The kernel's arguments (TMA descriptors' places: the (1, H, total, D) views they span)."""
+        q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (q, k, v))  # (o: per-thread stores, its own strides)
+        return (q4, k4, v4, q4, o, 0, o.stride(1), o.stride(0), lse, 0, lse.stride(0), lse.stride(1), *scalars,
+                cu_q, cu_k)
+
+    q4, k4, v4, *rest = arrange(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
     q_desc = descriptor(q4, WG_ROWS.value)
-    launch_cache.launch(
-        fwd_ws_kernel, grid, q_desc, descriptor(k4, block_n), descriptor(v4, block_n), q_desc,
-        o, 0, o.stride(1), o.stride(0), lse, 0, lse.stride(0), lse.stride(1),
-        max_seqlen_q, max_seqlen_k, nheads_q, nheads_q // nheads_k, int(align_bottom_right),
-        max(abs(scale) * LOG2E, TINY_SCALE.value), None, 0, 0, 1, None, 0, 0, None, 0, 0, max(window_left, -1),
-        cu_seqlens_q, cu_seqlens_k,
+    plan = launch_cache.make_plan(
+        fwd_ws_kernel, grid, q_desc, descriptor(k4, block_n), descriptor(v4, block_n), q_desc, *rest[1:],
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=False, PINGPONG=pingpong, FP8=False, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs, PERSISTENT=False, O_BUF=False, TILE_ORDER=0, RESCALE_TAU=tau,
         HAS_LEFT=window_left >= 0, VARLEN=True, num_warps=4, maxnreg=maxnreg)
-    return None
+    return launch_cache.keep(_PLANS, key, plan, fwd_ws_kernel, (), arrange)
 
 
 def _tensor_args(q, k, v, o, lse, block_n: int, o_tma: bool, fp8: bool) -> tuple:
