@@ -870,5 +870,5 @@ def test_gluon_varlen_planned_calls_match_the_truth(rng, monkeypatch, direction)
     assert planned.problem.varlen
     if direction == "forward":  # (the second call keeps the launcher's plan, the third launches it directly)
         assert len(calls) == 2 and planned.launched is not None and planned.launched.plan.direct is not None
-    else:  # (the backward's launcher runs its own plan)
-        assert len(calls) == 3 and len(bwd_gluon._PLANS) == 1
+    else:  # (the second call's backward keeps its launches' plans, the third launches them directly)
+        assert len(calls) == 2 and len(planned.backward_plans) == 1 and len(bwd_gluon._PLANS) == 1

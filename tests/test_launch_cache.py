@@ -664,7 +664,7 @@ def test_api_call_plans_launch_what_the_full_path_launches(monkeypatch, layout):
 @pytest.mark.parametrize("window", [(-1, 0), (50, 0)])
 def test_varlen_call_plans_launch_what_the_full_path_launches(monkeypatch, window):
     """On the H200 path: attention_varlen's call plan (no grad; the launcher's own plan under it)
-    and the backward through it (the dK/dV launcher's plan) launch the kernels, grids and arguments
+    and the backward through it (its three launches' plans) launch the kernels, grids and arguments
     the full path launches for inputs of the same metadata; the plans are keyed by metadata, so
     other lengths of the same metadata are launched alike too (the kernel reads the prefix sums)."""
     import fmha
@@ -696,6 +696,8 @@ def test_varlen_call_plans_launch_what_the_full_path_launches(monkeypatch, windo
     second = inputs()
     planned = forward(second), backward(second)
     assert len(api._FORWARD_PLANS) == 1 and len(fwd_gluon._PLANS) == 1 and len(bwd_gluon._PLANS) == 1
+    (forward_plan,) = api._FORWARD_PLANS.values()
+    assert len(forward_plan.backward_plans) == 1  # (the backward's three launches planned too)
     api.clear_plans()
     full = forward(second), backward(second)
     assert [len(r) for r in planned] == [len(r) for r in full] == [1, 3]

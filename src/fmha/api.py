@@ -445,7 +445,7 @@ def _bwd_body(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_sl
     exact_delta = want_dbias or want_dsinks
     plan_key = planned = None
     if (forward is not None and problem.arch != "cpu" and dlse is None and not exact_delta and seqused_k is None
-            and not problem.varlen and not problem.deterministic and bias is None and alibi_slopes is None
+            and not problem.deterministic and bias is None and alibi_slopes is None
             and sinks is None):  # (the interpreter's kernels take no plans)
         if plans is not None:  # (a forward call plan's own table: its key fixes q, k, v and so o, lse)
             table, plan_key = plans, _meta(do)
@@ -475,9 +475,10 @@ def _bwd_body(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_sl
     o_view, do_view = _kernel_view(o, prep), _kernel_view(do, prep)
     if planned is not None:  # (a plain eager backward again: its three launches' plans)
         dq_acc = torch.zeros_like(dq, dtype=stats, memory_format=contiguous)
-        planned.dot.launch(o_view, do_view, lse, delta)
+        cu_q, cu_k = ((cu_seqlens_q,), (cu_seqlens_q, cu_seqlens_k)) if varlen else ((), ())  # (the kernels read them)
+        planned.dot.launch(o_view, do_view, lse, delta, *cu_q)
         planned.dkdv.launch(prep.q, prep.k, prep.v, do_view.contiguous() if planned.do_copied else do_view, lse,
-                            delta, dk_view, dv_view, _kernel_view(dq_acc, prep))
+                            delta, dk_view, dv_view, _kernel_view(dq_acc, prep), *cu_k)
         planned.convert.launch(dq_acc, dq)
     else:
         shared = _kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, seed, offset)
@@ -521,10 +522,11 @@ def _bwd_body(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_sl
 
 
 class _BackwardPlan:
-    """A plain eager backward (dense, no dlse, bias, ALiBi, sinks or seqused_k, not
-    deterministic; the Gluon dK/dV) repeated for inputs of the same metadata after the same
-    forward problem: the launch plans of its three launches (dot(dO, O), dK/dV, the dQ
-    convert; `launch_cache.Planned`) and whether dO is copied for TMA first."""
+    """A plain eager backward (no dlse, bias, ALiBi, sinks or seqused_k, not deterministic; the
+    Gluon dK/dV; dense or varlen, whose launches take the call's cu_seqlens) repeated for inputs of
+    the same metadata after the same forward problem: the launch plans of its three launches
+    (dot(dO, O), dK/dV, the dQ convert; `launch_cache.Planned`) and whether dO is copied for TMA
+    first."""
 
     __slots__ = ("dot", "dkdv", "convert", "do_copied", "runnable")
 

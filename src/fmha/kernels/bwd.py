@@ -399,18 +399,18 @@ def launch_dot_do_o(o, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=Non
                     cu_seqlens_q=None, batch: int, max_seqlen_q: int,
                     block_m: int, num_warps: int, num_stages: int, **_unused) -> launch_cache.Planned | None:
     """delta = rowsum(dO * O) (minus dlse; sinks' shares into dsinks_rows). Returns the launch
-    plan it ran or made (the plain case), as fwd_gluon.launch."""
+    plan it ran or made (the plain case), as fwd_gluon.launch: `Planned.launch(o, do, lse, delta)`,
+    varlen `(o, do, lse, delta, cu_seqlens_q)` (keyed by metadata: the kernel reads the prefix sums)."""
     varlen = cu_seqlens_q is not None
-    key = None  # a plan (launch_cache) for the plain case: dense, no dlse, no sinks
-    if dlse is None and sinks is None and dsinks_rows is None and not varlen \
-            and launch_cache.plans_enabled(dot_do_o_kernel):
+    key = None  # a plan (launch_cache) for the plain case: no dlse, no sinks
+    if dlse is None and sinks is None and dsinks_rows is None and launch_cache.plans_enabled(dot_do_o_kernel):
         key = (o.shape, o.stride(), do.stride(), lse.shape, lse.stride(), delta.stride(), o.dtype, do.dtype,
                o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0,
                delta.data_ptr() % 16 == 0, launch_cache.current_device(), batch, max_seqlen_q, block_m, num_warps,
-               num_stages)
+               num_stages, varlen)
         planned = _DOT_DO_O_PLANS.get(key)
         if planned is not None:
-            planned.launch(o, do, lse, delta)
+            planned.launch(o, do, lse, delta, *((cu_seqlens_q,) if varlen else ()))
             return planned
     nheads_q, head_dim_v = o.shape[1], o.shape[-1]
     grid = (cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
@@ -428,10 +428,10 @@ def launch_dot_do_o(o, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=Non
     return launch_cache.keep(_DOT_DO_O_PLANS, key, plan, dot_do_o_kernel, tail, _dot_plan_tensors)
 
 
-def _dot_plan_tensors(o, do, lse, delta) -> tuple:
-    """dot_do_o_kernel's tensors in the plain case (no dlse, sinks or varlen: lse and delta in
-    the unused places)."""
-    return o, do, lse, lse, delta, delta, lse, lse
+def _dot_plan_tensors(o, do, lse, delta, cu_seqlens_q=None) -> tuple:
+    """dot_do_o_kernel's tensors in the plain case (no dlse or sinks: lse and delta in the unused
+    places; lse in cu_seqlens_q's too where dense)."""
+    return o, do, lse, lse, delta, delta, lse, lse if cu_seqlens_q is None else cu_seqlens_q
 
 
 _DOT_DO_O_PLANS = launch_cache.plan_table()
