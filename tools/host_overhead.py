@@ -7,7 +7,8 @@ Dense: `fmha.attention`, on the CPU tensors' own path (Triton configs for arch "
 launchers stubbed whole) and on the path of CUDA tensors on an H200 ("H200 path" lines:
 dispatch for sm90, so the Gluon forward and dK/dV and the Triton dot(dO, O) and dQ convert,
 with their launchers' host work: descriptors, kernel specs, `launch_cache` keys; every
-`launch_cache` lookup hits a stand-in compiled kernel whose launch does nothing).
+`launch_cache` lookup hits a stand-in compiled kernel whose launch does nothing), where
+`fmha.attention_varlen` on packed sequences is timed too.
 
 Decode: `fmha.attention_with_kvcache` at the decode bench's 32k shape (B=8 Hq=32 Hk=8
 D=128 bf16, Sq=1, pages of 64), through a block table and through FlashInfer/SGLang tables,
@@ -106,6 +107,17 @@ def dense_cases(h200: bool = False) -> dict:
     }
     if h200:  # (the bshd call is the same host path)
         del cases["attention(..., return_lse=True, layout='bshd')"]
+        # Packed sequences (8 of them, 128 tokens): the call plan keyed by cu_seqlens' metadata.
+        lens = [8, 24, 4, 20, 12, 32, 16, 12]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        packed = torch.randn(sum(lens), 4, 64, dtype=torch.bfloat16)
+        leaves = [packed.clone().requires_grad_() for _ in range(3)]
+        varlen_out = [fmha.attention_varlen(*leaves, cu, cu, max(lens), max(lens), causal=True) for _ in range(2)][-1]
+        varlen_grad = torch.randn_like(varlen_out)
+        cases["attention_varlen(q, k, v, cu, cu, ..., causal=True)"] = lambda: fmha.attention_varlen(
+            packed, packed, packed, cu, cu, max(lens), max(lens), causal=True)
+        cases["backward of the varlen call (autograd.grad, retained graph)"] = lambda: torch.autograd.grad(
+            varlen_out, leaves, varlen_grad, retain_graph=True)
     return {name + suffix: fn for name, fn in cases.items()}
 
 
