@@ -155,13 +155,22 @@ def _grid_tile(num_n, nheads_k, GRID_ORDER: gl.constexpr):
 def _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GRID_ORDER: gl.constexpr = SEQ_MAJOR):
     """(b, KV head, first query head, first key, first query tile, query tiles per head) of
-    this program. Causal rows i see keys j <= i + diag: earlier query tiles are skipped; with
-    CAUSAL == LEFT_WINDOW rows i also see only keys j >= i + diag - window_left: the query tiles
-    after the last row whose window reaches the tile's last key are skipped too."""
+    this program (`_query_tiles`)."""
     bh, tile = _grid_tile(gl.cdiv(seqlen_k, BLOCK_N), nheads_k, GRID_ORDER)
     n0 = tile * BLOCK_N
     b = bh // nheads_k
     hk = bh % nheads_k
+    m_start, n_m = _query_tiles(n0, seqlen_q, seqlen_k, diag, window_left, CAUSAL, BLOCK_M, BLOCK_N)
+    return b, hk, hk * group, n0, m_start, n_m
+
+
+@gluon.jit
+def _query_tiles(n0, seqlen_q, seqlen_k, diag, window_left, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
+    """(first query tile, query tiles) of the key tile at n0. Causal rows i see keys j <= i + diag:
+    earlier query tiles are skipped; with CAUSAL == LEFT_WINDOW rows i also see only keys
+    j >= i + diag - window_left: the query tiles after the last row whose window reaches the
+    tile's last key are skipped too."""
     m_start = 0
     if CAUSAL:
         m_start = gl.maximum(n0 - diag, 0) // BLOCK_M
@@ -169,8 +178,7 @@ def _key_tile(seqlen_q, seqlen_k, nheads_k, group, diag, window_left, CAUSAL: gl
     if CAUSAL == LEFT_WINDOW:  # the last row seeing the tile's last key; (last + BLOCK_M) // BLOCK_M tiles
         last = gl.minimum(n0 + BLOCK_N, seqlen_k) - 1 - diag + window_left
         m_end = gl.minimum(m_end, gl.maximum(last + BLOCK_M, 0) // BLOCK_M)
-    n_m = gl.maximum(m_end - m_start, 0)
-    return b, hk, hk * group, n0, m_start, n_m
+    return m_start, gl.maximum(m_end - m_start, 0)
 
 
 @gluon.jit
@@ -184,7 +192,7 @@ def _varlen_key_tile(args, stride_lm, stride_dem, GRID_ORDER: gl.constexpr, CAUS
     sequence's keys, args of the sequence): its lengths and diagonal in args, and the pointers
     read per thread moved to its first query (LSE and delta by their row strides stride_lm,
     stride_dem without STATS_TMA; dq_acc without DQ_TMA). A key tile past the sequence's keys has
-    no query tiles. (The query range repeats `_key_tile`'s, per sequence.)"""
+    no query tiles."""
     (q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, stride_dqb, stride_dqh, stride_dqm,
      seqlen_q, seqlen_k, nheads_k, group, diag, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
      ds_smem, dq_smem, kv_bar, ready, stat_ready, empty, dq_full, dq_empty, window_left, cu_seqlens) = args
@@ -198,14 +206,8 @@ def _varlen_key_tile(args, stride_lm, stride_dem, GRID_ORDER: gl.constexpr, CAUS
     k0 = gl.load(cu_seqlens_k + b)
     seq_k = gl.load(cu_seqlens_k + b + 1) - k0
     seq_diag = (seq_k - seq_q) * diag
-    m_start = 0
-    if CAUSAL:
-        m_start = gl.maximum(n0 - seq_diag, 0) // BLOCK_M
-    m_end = gl.cdiv(seq_q, BLOCK_M)
-    if CAUSAL == LEFT_WINDOW:
-        last = gl.minimum(n0 + BLOCK_N, seq_k) - 1 - seq_diag + window_left
-        m_end = gl.minimum(m_end, gl.maximum(last + BLOCK_M, 0) // BLOCK_M)
-    n_m = gl.where(n0 < seq_k, gl.maximum(m_end - m_start, 0), 0)
+    m_start, n_m = _query_tiles(n0, seq_q, seq_k, seq_diag, window_left, CAUSAL, BLOCK_M, BLOCK_N)
+    n_m = gl.where(n0 < seq_k, n_m, 0)
     if not STATS_TMA:
         lse += q0.to(gl.int64) * stride_lm
         delta += q0.to(gl.int64) * stride_dem
