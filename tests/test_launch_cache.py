@@ -635,18 +635,8 @@ def test_api_call_plans_launch_what_the_full_path_launches(monkeypatch, layout):
         shape = (2, 8, 256, 64) if layout == "bhsd" else (2, 256, 8, 64)
         return [torch.randn(shape).to(torch.bfloat16).requires_grad_() for _ in range(3)]
 
-    def forward(ts):
-        del runs[:]
-        with torch.no_grad():
-            fmha.attention(*ts, causal=True, layout=layout)
-        return list(runs)
-
-    def backward(ts):
-        o = fmha.attention(*ts, causal=True, layout=layout)
-        del runs[:]
-        torch.autograd.grad(o, ts, torch.randn_like(o))
-        return list(runs)
-
+    forward, backward = _forward_and_backward_launches(runs, lambda ts: fmha.attention(*ts, causal=True,
+                                                                                        layout=layout))
     forward(inputs())
     backward(inputs())
     second = inputs()
@@ -654,7 +644,29 @@ def test_api_call_plans_launch_what_the_full_path_launches(monkeypatch, layout):
     (forward_plan,) = api._FORWARD_PLANS.values()
     assert len(forward_plan.backward_plans) == 1  # (the graph: _PlannedAttention, the plan's backward)
     api.clear_plans()
-    full = forward(second), backward(second)
+    _assert_alike_launches(planned, (forward(second), backward(second)))
+
+
+def _forward_and_backward_launches(runs, call, leaves=lambda ts: ts):
+    """forward(ts), backward(ts): the launches (`_recorded_runs`) of call(ts) without grad, and of
+    the backward of call(ts) with respect to leaves(ts)."""
+    def forward(ts):
+        del runs[:]
+        with torch.no_grad():
+            call(ts)
+        return list(runs)
+
+    def backward(ts):
+        o = call(ts)
+        del runs[:]
+        torch.autograd.grad(o, leaves(ts), torch.randn_like(o))
+        return list(runs)
+
+    return forward, backward
+
+
+def _assert_alike_launches(planned, full):
+    """A planned forward's and backward's launches (1 and 3) alike the full path's, in order."""
     assert [len(r) for r in planned] == [len(r) for r in full] == [1, 3]
     for p, f in zip(planned[0] + planned[1], full[0] + full[1], strict=True):
         assert p[0] == f[0]
@@ -679,18 +691,9 @@ def test_varlen_call_plans_launch_what_the_full_path_launches(monkeypatch, windo
         k, v = (torch.randn(sum(lens), 2, 128).to(torch.bfloat16).requires_grad_() for _ in range(2))
         return q, k, v, torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
 
-    def forward(ts):
-        del runs[:]
-        with torch.no_grad():
-            fmha.attention_varlen(*ts[:3], ts[3], ts[3], max(lens), max(lens), window=window)
-        return list(runs)
-
-    def backward(ts):
-        o = fmha.attention_varlen(*ts[:3], ts[3], ts[3], max(lens), max(lens), window=window)
-        del runs[:]
-        torch.autograd.grad(o, ts[:3], torch.randn_like(o))
-        return list(runs)
-
+    forward, backward = _forward_and_backward_launches(
+        runs, lambda ts: fmha.attention_varlen(*ts[:3], ts[3], ts[3], max(lens), max(lens), window=window),
+        lambda ts: ts[:3])
     forward(inputs())
     backward(inputs())
     second = inputs()
@@ -699,11 +702,7 @@ def test_varlen_call_plans_launch_what_the_full_path_launches(monkeypatch, windo
     (forward_plan,) = api._FORWARD_PLANS.values()
     assert len(forward_plan.backward_plans) == 1  # (the backward's three launches planned too)
     api.clear_plans()
-    full = forward(second), backward(second)
-    assert [len(r) for r in planned] == [len(r) for r in full] == [1, 3]
-    for p, f in zip(planned[0] + planned[1], full[0] + full[1], strict=True):
-        assert p[0] == f[0]
-        assert all(_alike(a, b) for a, b in zip(p[1], f[1], strict=True))
+    _assert_alike_launches(planned, (forward(second), backward(second)))
     assert any(a is second[3] for a in planned[0][0][1])  # (the call's own prefix sums, not the first call's)
 
 
