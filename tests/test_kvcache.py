@@ -125,6 +125,37 @@ def test_merge_states_matches_reference_and_handles_empty_parts(rng):
     assert torch.all(o[1, 2] == 0) and torch.isneginf(lse[1, 2])
 
 
+@pytest.mark.parametrize("n_parts", [5, 16, 37])
+def test_merge_states_reads_the_parts_in_chunks(rng, n_parts):
+    """The combine reads up to COMBINE_PARTS partials of a row at once: counts below, at and
+    above it (37: three chunks, the last partly masked), rows whose partials of a whole chunk are
+    empty, a row with none, and a head dim that is not a power of two."""
+    outs = [randn((3, 5, 24), torch.float32, rng) for _ in range(n_parts)]
+    lses = [randn((3, 5), torch.float32, rng) * 4 for _ in range(n_parts)]
+    for lse in lses[:16]:
+        lse[0, 1] = float("-inf")  # row (0, 1): only partials past the first chunk count
+    for lse in lses:
+        lse[2, 4] = float("-inf")  # row (2, 4): nothing
+    o, lse = fmha.merge_states(outs, lses)
+    ro, rl = reference.merge_states([np64(x) for x in outs], [np64(x) for x in lses])
+    assert max_abs_error(o, torch.from_numpy(np.asarray(ro))) < 1e-5
+    finite = np.isfinite(np.asarray(rl))
+    assert max_abs_error(lse[torch.from_numpy(finite)], torch.from_numpy(np.asarray(rl)[finite])) < 1e-5
+    assert torch.all(o[2, 4] == 0) and torch.isneginf(lse[2, 4])
+    assert (n_parts > 16) == bool(torch.isfinite(lse[0, 1]))
+
+
+def test_combine_tile_fills_the_gpu_for_decode():
+    """A split-KV decode's combine (256 rows, 4 splits) runs in 128 programs of 2 rows, all four
+    partials of a row read at once; many partials are read 16 at a time."""
+    from fmha.kernels import kvcache as kernels
+
+    assert kernels.combine_tile(4, 32) == (2, 4)
+    assert kernels.combine_tile(1, 32) == (8, 1)
+    assert kernels.combine_tile(100, 32) == (1, 16)
+    assert kernels.combine_tile(3, 1) == (1, 4)
+
+
 def test_split_attention_merged_equals_full_attention(rng):
     q, k, v = (randn((1, 2, 20, 16), torch.float32, rng) for _ in range(3))
     k2, v2 = randn((1, 2, 15, 16), torch.float32, rng), randn((1, 2, 15, 16), torch.float32, rng)
