@@ -65,6 +65,7 @@ def splitkv_jobs():
                                   PAGE_SHIFT=4 if paged and not per_tile else -1, OFFSETS_32=True,
                                   KV_SAME_STRIDES=True,
                                   HAS_CACHE_BATCH_IDX=batch_idx, IS_VARLEN=varlen, SPLIT=split, KV_FP8=False,
+                                  LAUNCH_DEPENDENTS=split,  # (sm_90: the combine follows by PDL)
                                   DOT_PRECISION="ieee", BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=d, BLOCK_DV=d,
                                   **dict.fromkeys(FEATURES, features))
                 out = "fp32" if split else dt

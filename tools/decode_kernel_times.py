@@ -1,10 +1,17 @@
 """GPU time of each kernel of a decode call (`attention_with_kvcache`) and of SDPA cuDNN's, from
 torch's profiler: the split-KV attention and the combine apart, and the span of one call on the
 GPU (first kernel's start to last kernel's end, gaps included). For issue 5's question where the
-32k shape's last 2% go (docs/performance.md, Next item 4): the split kernel itself, the combine, or
-the gap between them.
+last percent to cuDNN goes (docs/performance.md, Next item 4): the split kernel itself, the
+combine, or the gap between them.
 
-    PYTHONPATH=src python tools/decode_kernel_times.py [--calls 50] [--splits 0,3,4,6] [--json F]
+Contenders alternate in rotated order each round (each profiled over --calls calls a round; the
+medians over all rounds are reported): cuDNN, fmha as it is, fmha with forced split counts
+(--splits), fmha with another decode tile first in the registry (--tiles BLOCK_N:warps:stages,...),
+and fmha without programmatic dependent launch between the split kernel and the combine
+(kvcache.PDL off).
+
+    PYTHONPATH=src python tools/decode_kernel_times.py [--calls 50] [--rounds 3] [--splits 3,6]
+        [--tiles 32:4:4,64:4:4] [--paged] [--json F]
 """
 
 from __future__ import annotations
@@ -17,52 +24,97 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import fmha
 from fmha.bench_decode import DecodeShape, _call, _inputs
+from fmha.configs import CUDA_ARCHS, KVCACHE_FEATURES, Algorithm, Family, KernelConfig, Signature
+from fmha.kernels import kvcache as kvcache_kernels
 from fmha.kvcache import attention_with_kvcache
+from fmha.problem import DType
 
-SHAPES = [DecodeShape(32, 32, 8, 8192, 128), DecodeShape(8, 32, 8, 32768, 128)]
+
+def dispatcher_for(tile: tuple[int, int, int]) -> fmha.Dispatcher:
+    """The default registry with a 16-bit decode config of this (BLOCK_N, warps, stages) first."""
+    block_n, warps, stages = tile
+    variant = KernelConfig(Signature(Family.FWD_SPLITKV, (DType.FP16, DType.BF16), CUDA_ARCHS, 128, 1,
+                                     KVCACHE_FEATURES), Algorithm(16, block_n, warps, stages))
+    return fmha.Dispatcher(fmha.Registry([variant], name="tile").merged(fmha.default_registry()))
 
 
-def kernel_times(fn, calls: int) -> dict:
-    for _ in range(5):
+def profiled(fn, calls: int) -> tuple[dict[str, list[float]], list[float]]:
+    """({kernel name: [us]}, [span of each call in us]) over `calls` calls."""
+    for _ in range(3):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
             torch.cuda.synchronize()  # one call's kernels apart from the next's
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    events.sort(key=lambda e: e.time_range.start)
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
     per_kernel: dict[str, list[float]] = defaultdict(list)
     for e in events:
         per_kernel[e.name[:60]].append(e.time_range.elapsed_us())
     per_call = len(events) // calls
     spans = [events[i + per_call - 1].time_range.end - events[i].time_range.start
              for i in range(0, per_call * calls, per_call)] if per_call else []
-    return {"kernels": {k: statistics.median(v) for k, v in per_kernel.items()},
-            "kernels_per_call": per_call, "span_us": statistics.median(spans) if spans else None}
+    return per_kernel, spans
+
+
+def contenders(shape: DecodeShape, splits: list[int], tiles: list[tuple[int, int, int]]) -> dict:
+    """name -> (dispatcher or None, PDL setting, call)."""
+    fmha_args, sdpa_args = _inputs(shape, "cuda")
+    runs = {"cudnn": (None, True, _call("cudnn", fmha_args, sdpa_args)),
+            "fmha": (None, True, lambda: attention_with_kvcache(**fmha_args)),
+            "fmha no PDL": (None, False, lambda: attention_with_kvcache(**fmha_args))}
+    for n in splits:
+        runs[f"fmha splits={n}"] = (None, True, lambda n=n: attention_with_kvcache(**fmha_args, num_splits=n))
+    for tile in tiles:
+        runs[f"fmha n{tile[0]}w{tile[1]}s{tile[2]}"] = (dispatcher_for(tile), True,
+                                                        lambda: attention_with_kvcache(**fmha_args))
+    return runs
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--splits", default="0,3,4,6")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--splits", default="")
+    parser.add_argument("--tiles", default="")
+    parser.add_argument("--paged", action="store_true", help="also the caches in shuffled pages of 64")
     parser.add_argument("--json")
     args = parser.parse_args()
+    splits = [int(x) for x in args.splits.split(",") if x]
+    tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",") if t]
+    shapes = [DecodeShape(32, 32, 8, 8192, 128), DecodeShape(8, 32, 8, 32768, 128)]
+    if args.paged:
+        shapes += [DecodeShape(32, 32, 8, 8192, 128, page_size=64), DecodeShape(8, 32, 8, 32768, 128, page_size=64)]
     rows = []
-    for shape in SHAPES:
-        fmha_args, sdpa_args = _inputs(shape, "cuda")
-        runs = {"cudnn": _call("cudnn", fmha_args, sdpa_args)}
-        for n in (int(x) for x in args.splits.split(",")):
-            runs[f"fmha splits={n or 'auto'}"] = (lambda n=n: attention_with_kvcache(**fmha_args, num_splits=n))
-        for name, fn in runs.items():
-            row = {"shape": shape.label, "contender": name, **kernel_times(fn, args.calls)}
+    for shape in shapes:
+        runs = contenders(shape, splits, tiles)
+        names = list(runs)
+        kernels: dict[str, dict[str, list[float]]] = {n: defaultdict(list) for n in names}
+        spans: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                dispatcher, pdl, fn = runs[name]
+                fmha.set_dispatcher(dispatcher)  # (clears the call and launch plans)
+                kvcache_kernels.PDL = pdl
+                per_kernel, call_spans = profiled(fn, args.calls)
+                for k, v in per_kernel.items():
+                    kernels[name][k] += v
+                spans[name] += call_spans
+        fmha.set_dispatcher(None)
+        kvcache_kernels.PDL = True
+        for name in names:
+            row = {"shape": shape.label, "contender": name, "span_us": statistics.median(spans[name]),
+                   "kernels": {k: statistics.median(v) for k, v in kernels[name].items()}}
             rows.append(row)
-            kernels = "  ".join(f"{k[:38]} {v:.1f}" for k, v in row["kernels"].items())
-            print(f"{shape.label:55s} {name:18s} span {row['span_us']:.1f} us | {kernels}", flush=True)
+            cells = "  ".join(f"{k[:30]} {v:.1f}" for k, v in row["kernels"].items())
+            print(f"{shape.label:55s} {name:20s} span {row['span_us']:6.1f} us | {cells}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "calls": args.calls, "rounds": args.rounds, "rows": rows},
+                      f, indent=1)
     return 0
 
 

@@ -18,8 +18,12 @@ rotated copy.
 Masks, soft-cap and ALiBi come from `common`, shared with the other families.
 """
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import launch_cache
 from .common import LN2, LOG2E, key_range, modify_logits, visible
@@ -163,6 +167,7 @@ def splitkv_kernel(
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     KV_FP8: tl.constexpr = False, FP8_ASM: tl.constexpr = False, FP8_K_AT_DOT: tl.constexpr = False,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
     # KV_FP8: float8 caches, dequantized on load to q's dtype (exact); the k descale of
     # (b, hk) folds into the logit scale, the v descale multiplies the output. FP8_ASM: the
@@ -283,6 +288,8 @@ def splitkv_kernel(
                 v = _dequantized(v, Q.dtype.element_ty, FP8_ASM)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
+    if LAUNCH_DEPENDENTS:  # the combine (launched with PDL) may start; its loads wait for this grid's end
+        gdc_launch_dependents()
     if HAS_SINKS and not SPLIT:  # with splits the combine adds the sink once
         sink = tl.load(Sinks + h, mask=row_ok, other=float("-inf")) * LOG2E
         m_fin = tl.maximum(m_i, sink)
@@ -311,6 +318,7 @@ def combine_kernel(
     stride_pp, stride_pr, stride_lp,
     stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
     HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr = 1,
+    WAIT_PRIOR: tl.constexpr = False,
 ):
     """Merge partial (o, lse) pairs: lse = logsumexp_s lse_s, o = sum_s exp(lse_s - lse) o_s.
 
@@ -319,7 +327,11 @@ def combine_kernel(
     of them when n_parts <= BLOCK_S): one trip to memory per BLOCK_S partials, where a loop over
     the partials one by one waited for each load in turn (a split-KV decode's combine is a few
     hundred rows: latency, not bandwidth).
+    WAIT_PRIOR (launched with programmatic dependent launch, after the split-KV kernel): waits
+    for the grid before it to finish and its writes to be visible before reading the partials.
     """
+    if WAIT_PRIOR:
+        gdc_wait()
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     r_ok = r < n_rows
     offs_d = tl.arange(0, BLOCK_D)
@@ -498,7 +510,7 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
                lengths.dtype, q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0,
                o.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, lengths.data_ptr() % 16 == 0, tables, fp8,
                launch_cache.current_device(), num_splits, scale, softcap, window, sink_size, align_bottom_right,
-               block_m, block_n, num_warps, num_stages, dot_precision)
+               block_m, block_n, num_warps, num_stages, dot_precision, PDL)
         planned = _ATTENTION_PLANS.get(key)
         if planned is not None:
             planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale)
@@ -545,6 +557,7 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
         HAS_SINKS=sinks is not None, SPLIT=split, DOT_PRECISION=dot_precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=padded_dim(head_dim_qk), BLOCK_DV=padded_dim(head_dim_v),
         num_warps=num_warps, num_stages=num_stages, **_fp8_flags(k_cache),
+        LAUNCH_DEPENDENTS=split and _pdl(q),
     )
     return launch_cache.keep(_ATTENTION_PLANS, key, plan, splitkv_kernel, tail, _plain_attention_tensors)
 
@@ -592,6 +605,23 @@ def _descale_strides(k_cache, descale) -> tuple[int, int]:
 # holds at most COMBINE_TILE of (row, partial) pairs: the 256 rows of a B=8 Hq=32 decode make 128
 # programs, not 8 (its combine took 5.2 us against cuDNN's 2.2 us reduction, H200 2026-12-01).
 COMBINE_PARTS, COMBINE_TILE = 16, 8
+# Programmatic dependent launch between the split-KV kernel and its combine (`_pdl`); a switch
+# for A/B runs (part of the plans' keys through the kernels' constexprs).
+PDL = True
+
+
+def _pdl(t) -> bool:
+    """Whether kernels on t's device chain by programmatic dependent launch: a CUDA device of
+    sm_90 or later (the interpreter runs no PTX). The split-KV kernel lets the combine launch
+    early (LAUNCH_DEPENDENTS), the combine waits for it before reading (WAIT_PRIOR): the launch
+    gap between the two goes under the split kernel's tail."""
+    return PDL and t.is_cuda and _capability(t.device.index if t.device.index is not None
+                                             else torch.cuda.current_device()) >= 9
+
+
+@functools.cache
+def _capability(device: int) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def combine_tile(n_parts: int, block_m: int) -> tuple[int, int]:
@@ -616,7 +646,7 @@ def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sink
         key = (o_parts.shape, o_parts.stride(), lse_parts.shape, lse_parts.stride(), o.shape, o.stride(), lse.shape,
                lse.stride(), o_parts.dtype, o.dtype, o_parts.data_ptr() % 16 == 0, lse_parts.data_ptr() % 16 == 0,
                o.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, launch_cache.current_device(), nheads, seqlen,
-               block_m, num_warps)
+               block_m, num_warps, PDL)
         planned = _COMBINE_PLANS.get(key)
         if planned is not None:
             planned.launch(o_parts, lse_parts, o, lse)
@@ -626,13 +656,14 @@ def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sink
         return None
     block_m, block_s = combine_tile(n_parts, block_m)
     grid = (cdiv(n_rows, block_m),)
+    pdl = _pdl(o_parts)
     tail = (n_parts, n_rows, nheads, seqlen, head_dim,
             o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0),
             o.stride(0), o.stride(2), o.stride(1), lse.stride(0), lse.stride(1), lse.stride(2))
     plan = launch_cache.make_plan(combine_kernel, grid,
         o_parts, lse_parts, o, lse, sinks if sinks is not None else lse, *tail,
         HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_D=padded_dim(head_dim), BLOCK_S=block_s,
-        num_warps=num_warps,
+        WAIT_PRIOR=pdl, num_warps=num_warps, launch_pdl=pdl,
     )
     return launch_cache.keep(_COMBINE_PLANS, key, plan, combine_kernel, tail, _combine_tensors_without_sinks)
 
