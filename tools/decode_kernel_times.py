@@ -11,7 +11,11 @@ and fmha without programmatic dependent launch between the split kernel and the 
 (kvcache.PDL off).
 
     PYTHONPATH=src python tools/decode_kernel_times.py [--calls 50] [--rounds 3] [--splits 3,6]
-        [--tiles 32:4:4,64:4:4] [--paged] [--json F]
+        [--tiles 32:4:4,64:4:4] [--paged] [--cold] [--json F]
+
+--cold: as triton.testing.do_bench times a call (what `fmha bench --decode` reports), a 256 MB
+buffer is zeroed before each call (L2 flushed); "gap" is then the time from that fill's end to
+the call's first kernel's start, "span" from the fill's end to the call's last kernel's end.
 """
 
 from __future__ import annotations
@@ -40,23 +44,34 @@ def dispatcher_for(tile: tuple[int, int, int]) -> fmha.Dispatcher:
     return fmha.Dispatcher(fmha.Registry([variant], name="tile").merged(fmha.default_registry()))
 
 
-def profiled(fn, calls: int) -> tuple[dict[str, list[float]], list[float]]:
-    """({kernel name: [us]}, [span of each call in us]) over `calls` calls."""
+def profiled(fn, calls: int, flush: torch.Tensor | None = None) -> tuple[dict[str, list[float]], list[float]]:
+    """({kernel name: [us]}, [span of each call in us]) over `calls` calls; with `flush` (--cold)
+    the buffer is zeroed before each call, its kernel is left out of the kernels, the spans start
+    at its end and the kernels hold "gap": its end to the call's first kernel's start."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
+            if flush is not None:
+                flush.zero_()
             fn()
             torch.cuda.synchronize()  # one call's kernels apart from the next's
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
-    per_kernel: dict[str, list[float]] = defaultdict(list)
-    for e in events:
-        per_kernel[e.name[:60]].append(e.time_range.elapsed_us())
     per_call = len(events) // calls
-    spans = [events[i + per_call - 1].time_range.end - events[i].time_range.start
-             for i in range(0, per_call * calls, per_call)] if per_call else []
+    per_kernel: dict[str, list[float]] = defaultdict(list)
+    spans = []
+    for i in range(0, per_call * calls, per_call):
+        call = events[i:i + per_call]
+        if flush is not None:
+            fill, call = call[0], call[1:]
+            per_kernel["gap"].append(call[0].time_range.start - fill.time_range.end)
+            spans.append(call[-1].time_range.end - fill.time_range.end)
+        else:
+            spans.append(call[-1].time_range.end - call[0].time_range.start)
+        for e in call:
+            per_kernel[e.name[:60]].append(e.time_range.elapsed_us())
     return per_kernel, spans
 
 
@@ -81,8 +96,10 @@ def main() -> int:
     parser.add_argument("--splits", default="")
     parser.add_argument("--tiles", default="")
     parser.add_argument("--paged", action="store_true", help="also the caches in shuffled pages of 64")
+    parser.add_argument("--cold", action="store_true", help="a 256 MB fill before each call (do_bench's)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    flush = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device="cuda") if args.cold else None
     splits = [int(x) for x in args.splits.split(",") if x]
     tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",") if t]
     shapes = [DecodeShape(32, 32, 8, 8192, 128), DecodeShape(8, 32, 8, 32768, 128)]
@@ -99,7 +116,7 @@ def main() -> int:
                 dispatcher, pdl, fn = runs[name]
                 fmha.set_dispatcher(dispatcher)  # (clears the call and launch plans)
                 kvcache_kernels.PDL = pdl
-                per_kernel, call_spans = profiled(fn, args.calls)
+                per_kernel, call_spans = profiled(fn, args.calls, flush)
                 for k, v in per_kernel.items():
                     kernels[name][k] += v
                 spans[name] += call_spans
