@@ -606,7 +606,7 @@ def _descale_strides(k_cache, descale) -> tuple[int, int]:
 # programs, not 8 (its combine took 5.2 us against cuDNN's 2.2 us reduction, H200 2026-12-01).
 COMBINE_PARTS, COMBINE_TILE = 16, 8
 # Programmatic dependent launch between the split-KV kernel and its combine (`_pdl`); a switch
-# for A/B runs (part of the plans' keys through the kernels' constexprs).
+# for A/B runs (tools/decode_kernel_times.py), part of both launchers' plan keys.
 PDL = True
 
 
