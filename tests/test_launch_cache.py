@@ -421,6 +421,35 @@ def test_decode_plans_launch_what_the_launchers_build(monkeypatch, tables, num_s
     assert not kvcache._ATTENTION_PLANS
 
 
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_split_decode_chains_the_combine_by_programmatic_dependent_launch(monkeypatch, pdl):
+    """Where kernels chain by PDL (sm_90+ CUDA devices, kvcache._pdl), a split-KV launch lets its
+    dependents start (LAUNCH_DEPENDENTS) and the combine is launched with `launch_pdl` and waits
+    for it (WAIT_PRIOR); one split has no dependent. Elsewhere (CPU tensors, the interpreter, or
+    kvcache.PDL off) neither flag is set."""
+    from fmha.kernels import kvcache
+
+    seen = _recorded_launches(monkeypatch)
+    monkeypatch.setattr(kvcache, "_pdl", lambda t: pdl)
+    b, hq, hk, d = 2, 8, 2, 64
+    q, cache = torch.empty(b, 1, hq, d), torch.empty(b, 256, hk, d)
+    for splits in (4, 1):
+        o = torch.empty(splits, b, hq, 1, d) if splits > 1 else torch.empty(b, 1, hq, d)
+        lse = torch.empty(splits, b, hq, 1) if splits > 1 else torch.empty(b, hq, 1)
+        kvcache.launch_attention(q, cache, cache, o, lse, seqlens_k=torch.full((b,), 200, dtype=torch.int32),
+                                 num_splits=splits, scale=0.1, softcap=0.0, window=(-1, -1), sink_size=0,
+                                 align_bottom_right=True, block_m=16, block_n=64, num_warps=4, num_stages=2,
+                                 dot_precision="ieee")
+    kvcache.launch_combine(torch.empty(4, b * hq, d), torch.empty(4, b * hq), torch.empty(b, 1, hq, d),
+                           torch.empty(b, hq, 1), nheads=hq, seqlen=1, block_m=16, num_warps=4)
+    (_, _, _, split4), (_, _, _, split1), (_, _, _, combine) = seen
+    assert split4["LAUNCH_DEPENDENTS"] is pdl and split1["LAUNCH_DEPENDENTS"] is False
+    assert combine["WAIT_PRIOR"] is pdl and combine["launch_pdl"] is pdl
+    monkeypatch.undo()
+    assert not kvcache._pdl(q)  # (CPU tensors: the interpreter runs no griddepcontrol)
+
+
 class _CLauncher:
     """Stands in for Triton's compiled C launcher (`mod.launch`): records its arguments. An
     object, so it has no closure (a kernel without descriptors gets it unwrapped)."""
