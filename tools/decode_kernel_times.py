@@ -11,11 +11,14 @@ and fmha without programmatic dependent launch between the split kernel and the 
 (kvcache.PDL off).
 
     PYTHONPATH=src python tools/decode_kernel_times.py [--calls 50] [--rounds 3] [--splits 3,6]
-        [--tiles 32:4:4,64:4:4] [--paged] [--cold] [--json F]
+        [--tiles 32:4:4,64:4:4] [--paged] [--cold [--flush write|read]] [--json F]
 
 --cold: as triton.testing.do_bench times a call (what `fmha bench --decode` reports), a 256 MB
 buffer is zeroed before each call (L2 flushed); "gap" is then the time from that fill's end to
 the call's first kernel's start, "span" from the fill's end to the call's last kernel's end.
+--flush read: the 256 MB buffer is read instead (a sum), which leaves L2 full of clean lines:
+against the default (write, do_bench's), it shows what the write-back of the fill's dirty lines
+costs the call that follows.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from fmha.kernels import kvcache as kvcache_kernels
 from fmha.kvcache import attention_with_kvcache
 from fmha.problem import DType
 
+SWITCHES = ("PDL",)  # kvcache's A/B switches (each True unless a contender turns it off)
+
 
 def dispatcher_for(tile: tuple[int, int, int]) -> fmha.Dispatcher:
     """The default registry with a 16-bit decode config of this (BLOCK_N, warps, stages) first."""
@@ -44,17 +49,28 @@ def dispatcher_for(tile: tuple[int, int, int]) -> fmha.Dispatcher:
     return fmha.Dispatcher(fmha.Registry([variant], name="tile").merged(fmha.default_registry()))
 
 
-def profiled(fn, calls: int, flush: torch.Tensor | None = None) -> tuple[dict[str, list[float]], list[float]]:
-    """({kernel name: [us]}, [span of each call in us]) over `calls` calls; with `flush` (--cold)
-    the buffer is zeroed before each call, its kernel is left out of the kernels, the spans start
-    at its end and the kernels hold "gap": its end to the call's first kernel's start."""
+def kernel_count(fn) -> int:
+    """CUDA kernels (and memsets) that one call of fn runs."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+
+
+def profiled(fn, calls: int, flush=None) -> tuple[dict[str, list[float]], list[float]]:
+    """({kernel name: [us]}, [span of each call in us]) over `calls` calls; with `flush` (--cold,
+    a function) it runs before each call, its kernels are left out, the spans start at its end
+    and the kernels hold "gap": its end to the call's first kernel's start."""
+    fills = kernel_count(flush) if flush is not None else 0
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             if flush is not None:
-                flush.zero_()
+                flush()
             fn()
             torch.cuda.synchronize()  # one call's kernels apart from the next's
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
@@ -65,7 +81,7 @@ def profiled(fn, calls: int, flush: torch.Tensor | None = None) -> tuple[dict[st
     for i in range(0, per_call * calls, per_call):
         call = events[i:i + per_call]
         if flush is not None:
-            fill, call = call[0], call[1:]
+            fill, call = call[fills - 1], call[fills:]
             per_kernel["gap"].append(call[0].time_range.start - fill.time_range.end)
             spans.append(call[-1].time_range.end - fill.time_range.end)
         else:
@@ -76,16 +92,16 @@ def profiled(fn, calls: int, flush: torch.Tensor | None = None) -> tuple[dict[st
 
 
 def contenders(shape: DecodeShape, splits: list[int], tiles: list[tuple[int, int, int]]) -> dict:
-    """name -> (dispatcher or None, PDL setting, call)."""
+    """name -> (dispatcher or None, kvcache switches to set, call)."""
     fmha_args, sdpa_args = _inputs(shape, "cuda")
-    runs = {"cudnn": (None, True, _call("cudnn", fmha_args, sdpa_args)),
-            "fmha": (None, True, lambda: attention_with_kvcache(**fmha_args)),
-            "fmha no PDL": (None, False, lambda: attention_with_kvcache(**fmha_args))}
+    call = lambda: attention_with_kvcache(**fmha_args)  # noqa: E731
+    runs = {"cudnn": (None, {}, _call("cudnn", fmha_args, sdpa_args)),
+            "fmha": (None, {}, call),
+            "fmha no PDL": (None, {"PDL": False}, call)}
     for n in splits:
-        runs[f"fmha splits={n}"] = (None, True, lambda n=n: attention_with_kvcache(**fmha_args, num_splits=n))
+        runs[f"fmha splits={n}"] = (None, {}, lambda n=n: attention_with_kvcache(**fmha_args, num_splits=n))
     for tile in tiles:
-        runs[f"fmha n{tile[0]}w{tile[1]}s{tile[2]}"] = (dispatcher_for(tile), True,
-                                                        lambda: attention_with_kvcache(**fmha_args))
+        runs[f"fmha n{tile[0]}w{tile[1]}s{tile[2]}"] = (dispatcher_for(tile), {}, call)
     return runs
 
 
@@ -97,9 +113,14 @@ def main() -> int:
     parser.add_argument("--tiles", default="")
     parser.add_argument("--paged", action="store_true", help="also the caches in shuffled pages of 64")
     parser.add_argument("--cold", action="store_true", help="a 256 MB fill before each call (do_bench's)")
+    parser.add_argument("--flush", choices=("write", "read"), default="write",
+                        help="--cold's fill: zero the buffer (do_bench's) or read it")
     parser.add_argument("--json")
     args = parser.parse_args()
-    flush = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device="cuda") if args.cold else None
+    flush = None
+    if args.cold:
+        buffer = torch.ones(64 * 1024 * 1024, dtype=torch.int32, device="cuda")
+        flush = buffer.zero_ if args.flush == "write" else buffer.sum
     splits = [int(x) for x in args.splits.split(",") if x]
     tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",") if t]
     shapes = [DecodeShape(32, 32, 8, 8192, 128), DecodeShape(8, 32, 8, 32768, 128)]
@@ -113,15 +134,17 @@ def main() -> int:
         spans: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                dispatcher, pdl, fn = runs[name]
+                dispatcher, switches, fn = runs[name]
                 fmha.set_dispatcher(dispatcher)  # (clears the call and launch plans)
-                kvcache_kernels.PDL = pdl
+                for switch in SWITCHES:
+                    setattr(kvcache_kernels, switch, switches.get(switch, True))
                 per_kernel, call_spans = profiled(fn, args.calls, flush)
                 for k, v in per_kernel.items():
                     kernels[name][k] += v
                 spans[name] += call_spans
         fmha.set_dispatcher(None)
-        kvcache_kernels.PDL = True
+        for switch in SWITCHES:
+            setattr(kvcache_kernels, switch, True)
         for name in names:
             row = {"shape": shape.label, "contender": name, "span_us": statistics.median(spans[name]),
                    "kernels": {k: statistics.median(v) for k, v in kernels[name].items()}}
@@ -130,7 +153,8 @@ def main() -> int:
             print(f"{shape.label:55s} {name:20s} span {row['span_us']:6.1f} us | {cells}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "calls": args.calls, "rounds": args.rounds, "rows": rows},
+            json.dump({"gpu": torch.cuda.get_device_name(), "calls": args.calls, "rounds": args.rounds,
+                       "cold": args.cold and args.flush, "rows": rows},
                       f, indent=1)
     return 0
 
