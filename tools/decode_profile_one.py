@@ -1,0 +1,42 @@
+"""Run one decode shape a few times, each call after a 256 MB fill (do_bench's cache flush), for
+a profiler (ncu) to pick one call's kernel: fmha's split-KV kernel or SDPA cuDNN's (--backend
+cudnn), to compare their DRAM traffic after a written flush (docs/performance.md, attempt 76).
+
+    ncu --cache-control none --clock-control none --replay-mode application \
+        -k regex:"splitkv_kernel|fort_native" --launch-skip 2 --launch-count 1 \
+        --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
+        python tools/decode_profile_one.py [--backend cudnn] [--seqlen 8192 --batch 32] [--flush read]
+
+--flush read: the fill only reads the buffer (L2 left clean).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from fmha.bench_decode import DecodeShape, _call, _inputs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("-b", "--batch", type=int, default=32)
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--page-size", type=int, default=0)
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--backend", choices=("fmha", "cudnn"), default="fmha")
+    p.add_argument("--flush", choices=("write", "read"), default="write")
+    a = p.parse_args()
+    shape = DecodeShape(a.batch, 32, 8, a.seqlen, 128, page_size=a.page_size)
+    fmha_args, sdpa_args = _inputs(shape, "cuda")
+    call = _call(a.backend, fmha_args, sdpa_args)
+    buffer = torch.ones(64 * 1024 * 1024, dtype=torch.int32, device="cuda")
+    for _ in range(a.calls):
+        buffer.zero_() if a.flush == "write" else buffer.sum()
+        call()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
