@@ -12,7 +12,8 @@ with their launchers' host work: descriptors, kernel specs, `launch_cache` keys;
 
 Decode: `fmha.attention_with_kvcache` at the decode bench's 32k shape (B=8 Hq=32 Hk=8
 D=128 bf16, Sq=1, pages of 64), through a block table and through FlashInfer/SGLang tables,
-with the split count picked (num_splits=0) and forced; launchers stubbed whole (they return
+with the split count picked (num_splits=0) and forced, and a float8 cache with per-(batch, KV
+head) descales (block table); launchers stubbed whole (they return
 no launch plan, so every call takes the full path), then ("H200 path" lines) the real launchers
 with only the final launch stubbed (repeated calls take the decode call plan,
 `kvcache._DecodeCallPlan`).
@@ -172,6 +173,15 @@ def decode_cases(h200: bool = False) -> dict:
         for splits in (0, 4, 1):
             name = f"attention_with_kvcache {form} num_splits={splits}" + (" (H200 path)" if h200 else "")
             cases[name] = (lambda t=tables, s=splits: fmha.attention_with_kvcache(q, pool, pool, **t, num_splits=s))
+    # the float8 cache with per-(batch, KV head) descales, as the decode bench gives it
+    pool8 = pool.to(torch.float8_e4m3fn) if pool.stride(0) else torch.empty(
+        1, *pool.shape[1:], dtype=torch.float8_e4m3fn).expand(pool.shape)
+    descales = dict(k_descale=torch.rand(q.shape[0], pool.shape[2]) + 0.5,
+                    v_descale=torch.rand(q.shape[0], pool.shape[2]) + 0.5)
+    for splits in (0, 1):
+        name = f"attention_with_kvcache fp8 cache block_table num_splits={splits}" + (" (H200 path)" if h200 else "")
+        cases[name] = (lambda s=splits: fmha.attention_with_kvcache(q, pool8, pool8, **block, **descales,
+                                                                     num_splits=s))
     return cases
 
 
