@@ -49,6 +49,13 @@ def dispatcher_for(tile: tuple[int, int, int]) -> fmha.Dispatcher:
     return fmha.Dispatcher(fmha.Registry([variant], name="tile").merged(fmha.default_registry()))
 
 
+def l2_fill(kind: str):
+    """do_bench's cache flush as a function: a 256 MB buffer zeroed ("write", L2 left full of
+    dirty lines) or summed ("read", L2 left full of clean lines)."""
+    buffer = torch.ones(64 * 1024 * 1024, dtype=torch.int32, device="cuda")
+    return buffer.zero_ if kind == "write" else buffer.sum
+
+
 def kernel_count(fn) -> int:
     """CUDA kernels (and memsets) that one call of fn runs."""
     fn()
@@ -59,11 +66,10 @@ def kernel_count(fn) -> int:
     return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
 
 
-def profiled(fn, calls: int, flush=None) -> tuple[dict[str, list[float]], list[float]]:
+def profiled(fn, calls: int, flush=None, fills: int = 0) -> tuple[dict[str, list[float]], list[float]]:
     """({kernel name: [us]}, [span of each call in us]) over `calls` calls; with `flush` (--cold,
-    a function) it runs before each call, its kernels are left out, the spans start at its end
-    and the kernels hold "gap": its end to the call's first kernel's start."""
-    fills = kernel_count(flush) if flush is not None else 0
+    a function of `fills` kernels) it runs before each call, its kernels are left out, the spans
+    start at its end and the kernels hold "gap": its end to the call's first kernel's start."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -117,10 +123,8 @@ def main() -> int:
                         help="--cold's fill: zero the buffer (do_bench's) or read it")
     parser.add_argument("--json")
     args = parser.parse_args()
-    flush = None
-    if args.cold:
-        buffer = torch.ones(64 * 1024 * 1024, dtype=torch.int32, device="cuda")
-        flush = buffer.zero_ if args.flush == "write" else buffer.sum
+    flush = l2_fill(args.flush) if args.cold else None
+    fills = kernel_count(flush) if flush is not None else 0
     splits = [int(x) for x in args.splits.split(",") if x]
     tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",") if t]
     shapes = [DecodeShape(32, 32, 8, 8192, 128), DecodeShape(8, 32, 8, 32768, 128)]
@@ -138,7 +142,7 @@ def main() -> int:
                 fmha.set_dispatcher(dispatcher)  # (clears the call and launch plans)
                 for switch in SWITCHES:
                     setattr(kvcache_kernels, switch, switches.get(switch, True))
-                per_kernel, call_spans = profiled(fn, args.calls, flush)
+                per_kernel, call_spans = profiled(fn, args.calls, flush, fills)
                 for k, v in per_kernel.items():
                     kernels[name][k] += v
                 spans[name] += call_spans

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from decode_kernel_times import l2_fill  # (tools/ is this script's directory)
 
 from fmha.bench_decode import DecodeShape, _call, _inputs
 
@@ -31,9 +32,9 @@ def main() -> None:
     shape = DecodeShape(a.batch, 32, 8, a.seqlen, 128, page_size=a.page_size)
     fmha_args, sdpa_args = _inputs(shape, "cuda")
     call = _call(a.backend, fmha_args, sdpa_args)
-    buffer = torch.ones(64 * 1024 * 1024, dtype=torch.int32, device="cuda")
+    flush = l2_fill(a.flush)
     for _ in range(a.calls):
-        buffer.zero_() if a.flush == "write" else buffer.sum()
+        flush()
         call()
     torch.cuda.synchronize()
 

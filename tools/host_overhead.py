@@ -174,8 +174,7 @@ def decode_cases(h200: bool = False) -> dict:
             name = f"attention_with_kvcache {form} num_splits={splits}" + (" (H200 path)" if h200 else "")
             cases[name] = (lambda t=tables, s=splits: fmha.attention_with_kvcache(q, pool, pool, **t, num_splits=s))
     # the float8 cache with per-(batch, KV head) descales, as the decode bench gives it
-    pool8 = pool.to(torch.float8_e4m3fn) if pool.stride(0) else torch.empty(
-        1, *pool.shape[1:], dtype=torch.float8_e4m3fn).expand(pool.shape)
+    pool8 = torch.empty(1, *pool.shape[1:], dtype=torch.float8_e4m3fn).expand(pool.shape)  # (as `pool`)
     descales = dict(k_descale=torch.rand(q.shape[0], pool.shape[2]) + 0.5,
                     v_descale=torch.rand(q.shape[0], pool.shape[2]) + 0.5)
     for splits in (0, 1):
