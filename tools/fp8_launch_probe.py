@@ -1,0 +1,66 @@
+"""The Gluon fp8 forward launched directly (`fwd_gluon.launch`, bypassing the registry) at chosen tiles,
+e4m3 q/k/v without descales, B=4 H=16 S=8192, side by side with fmha's bf16 forward (alternating, rotated
+each round, `do_bench` medians), with each tile's largest output difference from the first tile's.
+For tiles the registry refuses (block_m 192: three consumer warpgroups; attempt 82).
+
+    PYTHONPATH=src python tools/fp8_launch_probe.py [--hdim 128] [--tiles 128x128x2,192x64x4] [--rounds 3]
+
+--tiles: block_m x block_n x stages, comma-separated (no ping-pong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from triton.testing import do_bench
+
+import fmha
+from fmha.kernels import fwd_gluon
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--hdim", type=int, default=128)
+    p.add_argument("--tiles", default="128x128x2,128x128x3,192x64x4,192x64x3,192x64x2")
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    tiles = [tuple(int(x) for x in t.split("x")) for t in a.tiles.split(",")]
+    batch, heads, seqlen, d = 4, 16, 8192, a.hdim
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+               for _ in range(3))
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    for causal in (False, True):
+        flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+        calls, outs = {}, {}
+        for bm, bn, st in tiles:
+            o = torch.empty(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16)
+            lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
+
+            def call(o=o, lse=lse, bm=bm, bn=bn, st=st):
+                fwd_gluon.launch(q8, k8, v8, o, lse, causal=causal, align_bottom_right=True, scale=d ** -0.5,
+                                 block_m=bm, block_n=bn, num_stages=st, pingpong=False)
+                return o
+            name = f"m{bm}n{bn}s{st}"
+            calls[name] = call
+            outs[name] = call().float().clone()
+        calls["bf16 (fmha)"] = lambda: fmha.attention(q, k, v, causal=causal)
+        names = list(calls)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(a.rounds):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                times[n].append(do_bench(calls[n], warmup=25, rep=100, return_mode="median"))
+        first = outs[names[0]]
+        bf16 = statistics.median(times["bf16 (fmha)"])
+        for n in names:
+            ms = statistics.median(times[n])
+            diff = f"max diff from {names[0]} {float((outs[n] - first).abs().max()):.2e}" if n in outs else ""
+            print(f"D={d} causal={causal!s:<5} {n:12s} {ms:.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s "
+                  f"x{bf16 / ms:.3f} of bf16  {diff}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
