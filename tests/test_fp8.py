@@ -200,6 +200,59 @@ def test_fp8_without_descales_means_descale_one():
     check_close("o", o, o_ref, o_tol)
 
 
+# ---------------------------------------------------------------------------- Gluon fp8 key permutation
+
+
+def _kernel_key_permutation(n):
+    """perm with P_perm[:, a] = P[:, perm[a]]: the reshape/permute of kernels/fwd_gluon.py's
+    `_p_operand` on a row of n keys, written in numpy."""
+    return np.arange(n).reshape(n // 32, 2, 2, 4, 2).transpose(0, 1, 3, 2, 4).reshape(n)
+
+
+def test_gluon_fp8_key_permutation_maps_the_accumulator_fragment_onto_the_a_fragment():
+    """PTX ISA wgmma fragments, per 32 columns of a row: the m64nNk32 f32 accumulator gives
+    thread t = lane % 4 the columns 2t + e + 8i (i = 0..3), the e4m3 A operand (k32) wants
+    4t + k + 16i (k = 0..3, i = 0..1); taken in register order, the value the thread holds at
+    accumulator column c is P_perm's value at the A column it fills (no data moves, which the
+    kernel's `convert_layout(..., assert_trivial=True)` also checks at compile time)."""
+    perm = _kernel_key_permutation(32)
+    assert sorted(perm) == list(range(32))
+    for t in range(4):
+        acc = [2 * t + e + 8 * i for i in range(4) for e in range(2)]
+        a_frag = [4 * t + k + 16 * i for i in range(2) for k in range(4)]
+        assert [int(perm[a]) for a in a_frag] == acc
+
+
+@pytest.mark.parametrize("seqlen", [1, 31, 32, 64, 100, 300])
+@pytest.mark.parametrize("view", ["bhsd", "bshd", "column_major"])
+def test_gluon_fp8_v_transposed_with_key_permutation_gives_p_v(seqlen, view):
+    """The V^T scratch of the Gluon fp8 forward (P through shared memory with its keys permuted):
+    keys rounded up to 32, permuted within each block of 32 as the kernel permutes P's keys,
+    zeros past the end (finite where the masked P is 0); P_perm V_perm = P V (to float64
+    rounding). Without the permutation: the plain V^T."""
+    from fmha.kernels.fwd_gluon import _transposed
+
+    rng = _rng()
+    B, H, D = 2, 3, 16
+    v = _x((B, H, seqlen, D), rng).to(E4M3)
+    if view == "bshd":
+        v = v.transpose(1, 2).contiguous().transpose(1, 2)
+    elif view == "column_major":
+        v = v.transpose(2, 3).contiguous().transpose(2, 3)
+    plain = _transposed(v)
+    assert plain.shape == (B, H, D, seqlen) and torch.equal(plain.view(torch.uint8), v.view(torch.uint8).mT)
+    vt = _transposed(v, key_perm=True)
+    n = -(-seqlen // 32) * 32
+    assert vt.shape == (B, H, D, n) and vt.is_contiguous()
+    perm = _kernel_key_permutation(n)
+    v_pad = np.zeros((B, H, n, D))
+    v_pad[:, :, :seqlen] = v.double().numpy()
+    np.testing.assert_array_equal(vt.double().numpy(), v_pad[:, :, perm].swapaxes(2, 3))
+    p = np.zeros((B, H, 5, n))
+    p[..., :seqlen] = torch.rand((B, H, 5, seqlen), generator=rng, dtype=torch.float64).numpy()
+    np.testing.assert_allclose(p[..., perm] @ vt.double().numpy().swapaxes(2, 3), p @ v_pad, rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------- dispatch and errors
 
 

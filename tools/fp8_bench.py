@@ -36,7 +36,7 @@ from fmha.registry import _gluon_config
 FP8 = (DType.FP8_E4M3, DType.FP8_E5M2)
 PP, WS = Pipeline.GLUON_WS_PINGPONG, Pipeline.GLUON_WS
 # Gluon (block_n, stages, pipeline) candidates per head dim besides the registry's default.
-SWEEP = {128: [(128, 2, PP), (64, 3, WS), (128, 3, WS)], 256: [(64, 2, PP), (64, 3, WS), (32, 3, WS)]}
+SWEEP = {128: [(128, 2, WS), (128, 3, WS)], 256: [(64, 3, WS), (64, 2, WS)]}
 TRITON_TILE = {128: (128, 128, 8, 3), 256: (128, 64, 8, 2)}  # the registry's Triton fp8 rows
 
 
@@ -49,7 +49,7 @@ def gluon_candidate(head_dim: int, block_n: int, stages: int, pipeline: Pipeline
                          dtypes=(DType.FP8_E4M3,))
 
 
-FP8_TILE = {128: (128, 2), 256: (64, 3)}  # the registry's Gluon fp8 (block_n, stages) per head dim
+FP8_TILE = {64: (256, 2), 128: (256, 2), 256: (128, 2)}  # the registry's Gluon fp8 (block_n, stages) per head dim
 
 
 def persistent_candidate(head_dim: int) -> KernelConfig:

@@ -9,6 +9,8 @@
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
@@ -17,7 +19,8 @@ from fmha.configs import Family, Pipeline
 from fmha.problem import DType
 from fmha.registry import _gluon_config
 
-FP8_TILE = {128: (128, 2), 256: (64, 3)}  # the registry's Gluon fp8 (block_n, stages) per head dim
+sys.path.insert(0, str(Path(__file__).parent))
+from fp8_bench import FP8_TILE  # noqa: E402  (the registry's Gluon fp8 tiles)
 
 
 def main() -> None:

@@ -213,13 +213,14 @@ def default_registry() -> Registry:
     ])
     # FP8 forward (fmha.fp8): tl.dot on float8 needs sm89+; tiles not tuned on a GPU yet
     # (tools/fp8_bench.py --sweep compares candidates).
-    # FP8 forward in Gluon (Hopper): the same kernel with fp8 wgmma, 1.15x (D=128) and 1.30x
-    # (D=256) our bf16 forward where the Triton fp8 kernel ran 0.23-0.41x (H200, 2026-11-30,
-    # tools/fp8_bench.py --sweep, two runs; ping-pong 0-2% slower, D=128 n64 0.85x, D=256 n32
-    # 0.78x of these). Larger key tiles (D=64 n256, D=256 n128) spill registers at sm_90.
-    e4m3, ws8 = (DType.FP8_E4M3,), "FA3-style warp-specialized fp8 forward (V transposed first)"
+    # FP8 forward in Gluon (Hopper): the same kernel with fp8 wgmma, P V reading P from shared
+    # memory (fwd_gluon's P_SMEM), which leaves room for the longer key tiles: D=64 n256, D=128 n256
+    # and D=256 n128 ran 1.13x / 1.29x / 1.41x our bf16 forward where the n128 / n128 / n64 tiles with
+    # P in registers ran 0.93x / 1.10x / 1.17x (H200, 2026-12-01, attempt 83; ping-pong was 0-2%
+    # slower, 2026-11-30).
+    e4m3, ws8 = (DType.FP8_E4M3,), "FA3-style warp-specialized fp8 forward (V transposed first, P via shared memory)"
     configs += [_gluon_config(Family.FWD, d, 128, n, 4, st, Pipeline.GLUON_WS, ws8, fwd_features, e4m3)
-                for d, n, st in ((64, 128, 3), (128, 128, 2), (256, 64, 3))]
+                for d, n, st in ((64, 256, 2), (128, 256, 2), (256, 128, 2))]
     configs += _family_configs(Family.FWD, [
         (fp8, fp8_archs, 64, 128, 128, 8, 3),
         (fp8, fp8_archs, 128, 128, 128, 8, 3, 65),

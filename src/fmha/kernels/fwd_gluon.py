@@ -6,7 +6,10 @@ FlashAttention-3's structure, written with Gluon's Hopper primitives:
   of shared-memory stages (mbarriers `k_ready`/`v_ready` per stage; `k_empty` released once
   S is computed, `v_empty` once P V is); two consumer warpgroups each own 64 query rows of
   the CTA's 128-row tile and share every K/V stage;
-- wgmma (`warpgroup_mma`) with Q and K/V in shared memory and P from registers;
+- wgmma (`warpgroup_mma`) with Q and K/V in shared memory and P from registers, or (`P_SMEM`, every
+  fp8 kernel) from shared memory: two buffers a warpgroup, so that no P registers are held by a
+  product in flight or across the key loop's back edge (longer key tiles fit, and ptxas no longer
+  waits for P(j-1) V(j-1) before the softmax of S(j));
 - intra-warpgroup overlap: S(j) = Q K(j)^T and O += P(j-1) V(j-1) are issued together, the
   softmax of S(j) runs while P(j-1) V(j-1) is still on the tensor cores;
 - ping-pong (optional, `PINGPONG`): the two consumer warpgroups take turns issuing their
@@ -69,29 +72,31 @@ SMEM_PER_SM, REGS_PER_SM = 232448, 65536
 
 
 def shared_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, elem: int = 2,
-                 o_buffer: bool = False) -> int:
+                 o_buffer: bool = False, p_smem: bool = False) -> int:
     """Shared memory of `fwd_ws_kernel`: Q, the K/V ring, the persistent kernel's own O buffer
-    (`o_buffer`), and 1 KB for the barriers and the compiler's padding (the compiled kernels
-    use 200-400 bytes there)."""
+    (`o_buffer`), P's two buffers a warpgroup (`p_smem`), and 1 KB for the barriers and the
+    compiler's padding (the compiled kernels use 200-400 bytes there)."""
     tiles = block_m * head_dim * (2 if o_buffer else 1) + 2 * num_stages * block_n * head_dim
+    tiles += 2 * block_m * block_n if p_smem else 0
     return tiles * elem + 1024
 
 
-def persistent_o_buffer(head_dim: int, block_m: int, block_n: int, num_stages: int, elem: int = 2) -> bool:
+def persistent_o_buffer(head_dim: int, block_m: int, block_n: int, num_stages: int, elem: int = 2,
+                        p_smem: bool = False) -> bool:
     """Whether the persistent kernel can stage O in its own buffer (constexpr O_BUF): then the
     next tile's Q loads while this tile's O is stored; otherwise O is staged in Q's buffer and
     the next Q waits for the store. D 64/128 fit, D 256 (64 KB of Q) does not."""
-    return shared_bytes(head_dim, block_m, block_n, num_stages, elem, True) <= SMEM_PER_SM
+    return shared_bytes(head_dim, block_m, block_n, num_stages, elem, True, p_smem) <= SMEM_PER_SM
 
 
 def programs_per_sm(head_dim: int, block_m: int, block_n: int, num_stages: int, elem: int = 2,
-                    o_buffer: bool = False) -> int:
+                    o_buffer: bool = False, p_smem: bool = False) -> int:
     """How many persistent programs fit on one SM, by shared memory and by registers (a
     program: BLOCK_M / 64 consumer warpgroups and the producer's, at maxnreg registers). 1 for
     every current configuration: the registers (168 x 384 or 128 x 512 threads) allow one."""
     warps = 4 * (block_m // 64 + 1)
     by_regs = REGS_PER_SM // (registers(block_m)[0] * 32 * warps)
-    by_smem = SMEM_PER_SM // shared_bytes(head_dim, block_m, block_n, num_stages, elem, o_buffer)
+    by_smem = SMEM_PER_SM // shared_bytes(head_dim, block_m, block_n, num_stages, elem, o_buffer, p_smem)
     return max(1, min(by_regs, by_smem))
 
 
@@ -109,6 +114,18 @@ P_LOG2_SCALE = gl.constexpr(8)
 # skip O *= alpha. fp8 keeps tau 0: its P must stay under e4m3's 448 = 2**8.8 after the 2**8
 # shift, so tau <= 0.8, and that measured no gain (attempt 33).
 TAU_HALF = 8.0
+# P through shared memory (constexpr P_SMEM, `_attend`): every fp8 kernel (H200, 2026-12-01, attempt 83:
+# +9% at D=128 with the same tile, +17-20% with the longer key tiles it makes room for). P_SMEM_16: the
+# 16-bit kernels too (see attempt 84 in docs/performance.md). Both are switches for A/B runs.
+P_SMEM_FP8 = True
+P_SMEM_16 = False
+# fp8 P is stored with its keys permuted within blocks of 32 (`_p_operand`), V^T's likewise.
+KEY_PERM_BLOCK = gl.constexpr(32)
+
+
+def p_through_smem(fp8: bool, varlen: bool = False) -> bool:
+    """Whether `launch` and `compile_spec` build the kernel with P_SMEM (varlen: never)."""
+    return (P_SMEM_FP8 if fp8 else P_SMEM_16) and not varlen
 
 
 def default_rescale_tau(head_dim: int, persistent: bool, fp8: bool) -> float:
@@ -309,6 +326,24 @@ def _v_operand(v_smem, stage, FP8: gl.constexpr):
 
 
 @gluon.jit
+def _p_operand(p, p_dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
+    """P (wgmma accumulator layout, fp32) in the A operand's register layout, as P_SMEM stores it.
+    FP8: its keys permuted within each 32 (FlashAttention-3's trick, attempt 29): the accumulator
+    gives thread t = lane % 4 the columns c = 16h + 8j + 2t + e of a 32-key block, the e4m3 k32 A
+    fragment wants a = 16h + 4t + 2j + e; renaming c to a is free in registers, and the store is
+    then a plain stmatrix. V^T's keys are permuted the same way on the host (`_transposed(v,
+    key_perm=True)`), so P[:, perm] V[perm] = P V. 16-bit: the accumulator's layout is the A
+    fragment's already."""
+    p = p.to(p_dtype)
+    if FP8:
+        M: gl.constexpr = p.shape[0]
+        N: gl.constexpr = p.shape[1]
+        gl.static_assert(N % KEY_PERM_BLOCK == 0, "the key permutation: BLOCK_N a multiple of 32")
+        p = p.reshape([M, N // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([M, N])
+    return gl.convert_layout(p, p_layout, assert_trivial=True)  # a compile error if it moved data
+
+
+@gluon.jit
 def _logit_scale(qk_scale, b, h, hk, descales, FP8: gl.constexpr):
     """The logit scale of head (b, h): fp8's q and k descales fold into it (descales are > 0)."""
     if FP8:
@@ -327,12 +362,12 @@ def _any_row(grew):
 
 
 @gluon.jit
-def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_free, rows, row_lo, lo, n_tiles, it,
-            seqlen_k, diag, window_left, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr,
-            NEG_SCALE: gl.constexpr,
+def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_free, p_smem, rows, row_lo, lo,
+            n_tiles, it, seqlen_k, diag, window_left, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
+            HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr,
             PINGPONG: gl.constexpr, FP8: gl.constexpr, RELEASE_Q: gl.constexpr, RELEASE_V: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-            TAU: gl.constexpr):
+            TAU: gl.constexpr, P_SMEM: gl.constexpr):
     """(O unnormalized, m, l) of one warpgroup's 64 query rows over key tiles lo .. lo + n_tiles - 1.
 
     Ring position g = it + j holds key tile lo + j (`it`: ring uses before this CTA tile, 0 in the
@@ -342,7 +377,11 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
     TAU > 0 (RESCALE_TAU): m is a reference max that moves only where a row's max grew by more
     than TAU (`_softmax_update`); O *= alpha runs under a branch taken when some row of the
     warpgroup moved (`_any_row`), since alpha is exactly 1 in the others. O and l share the
-    reference in every row, so O / l is the softmax as with TAU = 0."""
+    reference in every row, so O / l is the softmax as with TAU = 0.
+
+    P_SMEM: the softmax of S(j) stores P(j) (`_p_operand`) to this warpgroup's shared buffer
+    2 * WG + j % 2 of `p_smem`, which P(j) V(j) reads; the buffer was last read by P(j-2) V(j-2),
+    complete before iteration j-1 ended."""
     s_layout: gl.constexpr = acc_layout(WG_ROWS, BLOCK_N, 4, 32 if FP8 else 16)
     o_layout: gl.constexpr = acc_layout(WG_ROWS, HEAD_DIM, 4, 32 if FP8 else 16)
     # P from registers: 32 bits of consecutive k per register (2 halves or 4 bytes).
@@ -369,6 +408,9 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
     mbarrier.arrive(k_empty.index(first), count=1)
     p, m_i, l_i, alpha, grew = _softmax_update(s, m_i, l_i, rows, lo * BLOCK_N, seqlen_k, diag, window_left,
                                                qk_scale, row_lo, CAUSAL, HAS_LEFT, NEG_SCALE, BLOCK_N, P_SHIFT, TAU)
+    if P_SMEM:
+        p_smem.index(2 * WG).store(_p_operand(p, p_dtype, p_layout, FP8))
+        fence_async_shared()
     if TAU > 0:
         rescale = gl.to_tensor(False)  # O is still zero
     for j in range(1, n_tiles):
@@ -385,9 +427,14 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
                 acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
         else:
             acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
-        p_op = gl.convert_layout(p.to(p_dtype), p_layout)
-        mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p_op, _v_operand(v_smem, prev, FP8), acc, is_async=True)
+        if P_SMEM:
+            mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_smem.index(2 * WG + (j - 1) % 2), _v_operand(v_smem, prev, FP8), acc,
+                                is_async=True)
+        else:
+            p_op = gl.convert_layout(p.to(p_dtype), p_layout)
+            mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_op, _v_operand(v_smem, prev, FP8), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index((WG + 1) % NUM_WG), count=1)
         # S(j) completes first (groups retire in order); its softmax overlaps P(j-1) V(j-1).
@@ -396,6 +443,9 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
         p, m_i, l_i, alpha, grew = _softmax_update(s, m_i, l_i, rows, (lo + j) * BLOCK_N, seqlen_k, diag,
                                                    window_left, qk_scale, row_lo, CAUSAL, HAS_LEFT, NEG_SCALE,
                                                    BLOCK_N, P_SHIFT, TAU)
+        if P_SMEM:
+            p_smem.index(2 * WG + j % 2).store(_p_operand(p, p_dtype, p_layout, FP8))
+            fence_async_shared()
         if TAU > 0:
             rescale = _any_row(grew)
         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -409,9 +459,14 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
             acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
     else:
         acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
-    p_op = gl.convert_layout(p.to(p_dtype), p_layout)
-    mbarrier.wait(v_ready.index(last), (g_last // STAGES) & 1)
-    acc = warpgroup_mma(p_op, _v_operand(v_smem, last, FP8), acc, is_async=True)
+    if P_SMEM:
+        mbarrier.wait(v_ready.index(last), (g_last // STAGES) & 1)
+        acc = warpgroup_mma(p_smem.index(2 * WG + (n_tiles - 1) % 2), _v_operand(v_smem, last, FP8), acc,
+                            is_async=True)
+    else:
+        p_op = gl.convert_layout(p.to(p_dtype), p_layout)
+        mbarrier.wait(v_ready.index(last), (g_last // STAGES) & 1)
+        acc = warpgroup_mma(p_op, _v_operand(v_smem, last, FP8), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     if RELEASE_V:
         mbarrier.arrive(v_empty.index(last), count=1)
@@ -463,10 +518,11 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constex
               PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              TAU: gl.constexpr):
+              TAU: gl.constexpr, P_SMEM: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem, window_left, cu_seqlens) = args
+     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem, window_left, cu_seqlens,
+     p_smem) = args
     s_layout: gl.constexpr = acc_layout(WG_ROWS, BLOCK_N, 4, 32 if FP8 else 16)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_tile = q_smem.index(WG)
@@ -485,10 +541,9 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constex
             rows = row_lo + gl.arange(0, WG_ROWS, layout=row_layout)
             mbarrier.wait(q_bar.index(WG), k & 1)
             acc, m_i, l_i = _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                                    q_empty.index(WG), rows, row_lo, lo, n_tiles, it, seqlen_k, diag, window_left,
-                                    tile_scale, WG, CAUSAL, HAS_LEFT, NEG_SCALE, PINGPONG, FP8, O_BUF or not O_TMA,
-                                    True,
-                                    BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU)
+                                    q_empty.index(WG), p_smem, rows, row_lo, lo, n_tiles, it, seqlen_k, diag,
+                                    window_left, tile_scale, WG, CAUSAL, HAS_LEFT, NEG_SCALE, PINGPONG, FP8,
+                                    O_BUF or not O_TMA, True, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM)
             if O_BUF:
                 o_tile = o_smem.index(WG)
             else:
@@ -518,9 +573,9 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constex
             rows = row_lo + gl.arange(0, WG_ROWS, layout=row_layout)
             mbarrier.wait(q_bar, 0)
             acc, m_i, l_i = _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_bar,
-                                    rows, row_lo, lo, n_tiles, 0, seqlen_k, diag, window_left, qk_scale, WG, CAUSAL,
-                                    HAS_LEFT, NEG_SCALE, PINGPONG, FP8, False, False, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                    STAGES, TAU)
+                                    p_smem, rows, row_lo, lo, n_tiles, 0, seqlen_k, diag, window_left, qk_scale, WG,
+                                    CAUSAL, HAS_LEFT, NEG_SCALE, PINGPONG, FP8, False, False, BLOCK_M, BLOCK_N,
+                                    HEAD_DIM, STAGES, TAU, P_SMEM)
             # (With O_TMA, Q is no longer read: its buffer stages O for the TMA store.)
             _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, q_tile, o_desc, o_ptr, stride_ob, stride_oh,
                       stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales, O_TMA, FP8, False,
@@ -532,9 +587,10 @@ def _consumer0(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.co
                O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr):
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr,
+               P_SMEM: gl.constexpr):
     _consumer(args, 0, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU)
+              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM)
 
 
 @gluon.jit
@@ -542,9 +598,10 @@ def _consumer1(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.co
                O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr):
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr,
+               P_SMEM: gl.constexpr):
     _consumer(args, 1, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU)
+              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM)
 
 
 @gluon.jit
@@ -552,9 +609,10 @@ def _consumer2(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.co
                O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr):
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr,
+               P_SMEM: gl.constexpr):
     _consumer(args, 2, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU)
+              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM)
 
 
 @gluon.jit
@@ -586,7 +644,8 @@ def _producer(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.con
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem, window_left, cu_seqlens) = args
+     seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem, window_left, cu_seqlens,
+     p_smem) = args
     if PERSISTENT:
         num_bh = q_desc.shape[0] * nheads_q
         num_tiles = gl.cdiv(seqlen_q, BLOCK_M) * num_bh
@@ -629,7 +688,9 @@ def _producer(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.con
                          FP8, BLOCK_N, HEAD_DIM, STAGES)
 
 
-@gluon.jit
+# seqlen_q is not specialized: with seqlen_q == 1 folded in, ptxas (Triton 3.6's, sm_90a) dies with SIGSEGV
+# on the P_SMEM kernels (seen on the H200 and on this CPU's ptxas, 2026-12-01).
+@gluon.jit(do_not_specialize=["seqlen_q"])
 def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om,
                   lse_ptr, stride_lb, stride_lh, stride_lm,
                   seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale,
@@ -640,7 +701,8 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                   PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, TILE_ORDER: gl.constexpr = 2,
-                  RESCALE_TAU: gl.constexpr = 0.0, HAS_LEFT: gl.constexpr = False, VARLEN: gl.constexpr = False):
+                  RESCALE_TAU: gl.constexpr = 0.0, HAS_LEFT: gl.constexpr = False, VARLEN: gl.constexpr = False,
+                  P_SMEM: gl.constexpr = False):
     """RESCALE_TAU > 0: the lazy O rescale (`_attend`; 0: O is rescaled on every key tile).
     HAS_LEFT (with CAUSAL): a sliding window (window_left, 0), key j visible to row i when
     i + diag - window_left <= j <= i + diag; the key tiles left of a CTA tile's windows are not
@@ -652,6 +714,7 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
     sequence's end do nothing), and diag is 1 for bottom-right alignment, 0 for top-left
     (`_varlen_tile`). A CTA tile's rows past its sequence's end (the next sequence's) are computed
     but not stored; its keys past the end are masked as the last tile's always are.
+    P_SMEM: P V reads P from shared memory (`_attend`; fp8: keys permuted, V^T likewise).
     PERSISTENT: a grid of at most one program per SM, each running CTA tiles in turn (see
     `_my_tile`); O_BUF (with PERSISTENT and O_TMA): O is staged in its own buffer instead of
     Q's, so the next tile's Q loads while this tile's O is stored (`persistent_o_buffer`).
@@ -687,6 +750,11 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], vt_layout)
     else:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    if P_SMEM:  # two P buffers a warpgroup
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_N], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG, WG_ROWS, BLOCK_N], p_layout)
+    else:
+        p_smem = k_smem  # (unused)
     if O_BUF:
         o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, WG_ROWS, HEAD_DIM], tile_layout)
     else:
@@ -721,37 +789,60 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
             stride_lh, stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
             seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale,
             (qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh, vd_ptr, stride_vdb,
-             stride_vdh), q_empty, o_smem, window_left, (cu_seqlens_q, cu_seqlens_k))
+             stride_vdh), q_empty, o_smem, window_left, (cu_seqlens_q, cu_seqlens_k), p_smem)
     # (The constexpr arguments are spelled out per partition: a tuple variable would not keep them constexpr.)
     if NUM_WG == 3:  # FA3's 192-row tile for small head dims: a third warpgroup hides more softmax
         gl.warp_specialize([
             (_consumer0, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM)),
             (_consumer1, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM)),
             (_consumer2, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM)),
             (_producer, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer0, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM)),
             (_consumer1, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM)),
             (_producer, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _transposed(v):
+def _transposed(v, key_perm: bool = False):
     """V^T as a (B, Hk, D, Sk) view of a buffer whose rows are padded to 16 bytes (TMA); the
-    descriptor's extent is Sk, so TMA zero-fills the keys past the end."""
+    descriptor's extent is Sk, so TMA zero-fills the keys past the end.
+
+    key_perm (the P_SMEM kernels' fp8 P, `_p_operand`): (B, Hk, D, Sk rounded up to 32), the keys of
+    each block of 32 in the order P's A fragment gives them: position a = 16h + 4t + 2j + e holds
+    key c = 16h + 8j + 2t + e. The keys past Sk are zeros in the buffer (the extent covers them: a
+    key of the last block may sit past Sk), so the masked P = 0 meets a finite V."""
     batch, heads, seqlen, head_dim = v.shape
-    padded = -(-seqlen // 16) * 16
-    vt = v.new_empty((batch, heads, head_dim, padded))[..., :seqlen]
-    vt.view(torch.uint8).copy_(v.view(torch.uint8).transpose(2, 3))  # a byte copy: any fp8 view
+    if not key_perm:
+        padded = -(-seqlen // 16) * 16
+        vt = v.new_empty((batch, heads, head_dim, padded))[..., :seqlen]
+        vt.view(torch.uint8).copy_(v.view(torch.uint8).transpose(2, 3))  # a byte copy: any fp8 view
+        return vt
+    block = KEY_PERM_BLOCK.value
+    full = seqlen - seqlen % block
+    vt = v.new_empty((batch, heads, head_dim, full + (block if full < seqlen else 0)))
+    src, dst = v.view(torch.uint8), vt.view(torch.uint8)
+
+    def permuted_copy(dst, src):  # dst (B, Hk, D, n * 32) <- src (B, Hk, n * 32, D), keys permuted
+        n = src.shape[2] // block
+        dst.view(batch, heads, head_dim, n, 2, 4, 2, 2).copy_(  # (h, t, j, e) <- (h, j, t, e)
+            src.reshape(batch, heads, n, 2, 2, 4, 2, head_dim).permute(0, 1, 7, 2, 3, 5, 4, 6))
+
+    if full:
+        permuted_copy(dst[..., :full], src[:, :, :full])
+    if full < seqlen:  # the last, partial block through a zero-padded copy
+        tail = torch.zeros((batch, heads, block, head_dim), dtype=torch.uint8, device=v.device)
+        tail[:, :, :seqlen - full] = src[:, :, full:]
+        permuted_copy(dst[..., full:], tail)
     return vt
 
 
@@ -812,12 +903,13 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     o_tma = o.dtype == q.dtype and tma_aligned(o)
     tau = float(default_rescale_tau(head_dim, persistent, fp8) if rescale_tau is None else rescale_tau)
     check_rescale_tau(tau, fp8)
+    p_smem = p_through_smem(fp8)
     o_buf = False
     if persistent:
         elem = q.element_size()
-        o_buf = o_tma and persistent_o_buffer(head_dim, block_m, block_n, num_stages, elem)
+        o_buf = o_tma and persistent_o_buffer(head_dim, block_m, block_n, num_stages, elem, p_smem)
         device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        per_sm = programs_per_sm(head_dim, block_m, block_n, num_stages, elem, o_buf)
+        per_sm = programs_per_sm(head_dim, block_m, block_n, num_stages, elem, o_buf, p_smem)
         grid = (min(grid[0], _sm_count(device) * per_sm),)
     if tile_order is None:
         row_tiles = cdiv(seqlen_q, block_m)
@@ -839,11 +931,11 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     tail = (seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE.value),
             *fp8_args, max(window_left, -1), None, None)  # (no cu_seqlens: not VARLEN)
     plan = launch_cache.make_plan(
-        fwd_ws_kernel, grid, *_tensor_args(q, k, v, o, lse, block_n, o_tma, fp8), *tail,
+        fwd_ws_kernel, grid, *_tensor_args(q, k, v, o, lse, block_n, o_tma, fp8, fp8 and p_smem), *tail,
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         PERSISTENT=persistent, O_BUF=o_buf, TILE_ORDER=tile_order if persistent and causal else 0,
-        RESCALE_TAU=tau, HAS_LEFT=window_left >= 0, VARLEN=False, num_warps=4, maxnreg=maxnreg,
+        RESCALE_TAU=tau, HAS_LEFT=window_left >= 0, VARLEN=False, P_SMEM=p_smem, num_warps=4, maxnreg=maxnreg,
     )
     return launch_cache.keep(_PLANS, key, plan, fwd_ws_kernel, tail,
                              _plan_tensors_o_tma if o_tma else _plan_tensors_no_o_tma)
@@ -894,16 +986,18 @@ def _launch_varlen(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=False, PINGPONG=pingpong, FP8=False, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs, PERSISTENT=False, O_BUF=False, TILE_ORDER=0, RESCALE_TAU=tau,
-        HAS_LEFT=window_left >= 0, VARLEN=True, num_warps=4, maxnreg=maxnreg)
+        HAS_LEFT=window_left >= 0, VARLEN=True, P_SMEM=p_through_smem(False, varlen=True), num_warps=4,
+        maxnreg=maxnreg)
     return launch_cache.keep(_PLANS, key, plan, fwd_ws_kernel, (), arrange)
 
 
-def _tensor_args(q, k, v, o, lse, block_n: int, o_tma: bool, fp8: bool) -> tuple:
+def _tensor_args(q, k, v, o, lse, block_n: int, o_tma: bool, fp8: bool, key_perm: bool = False) -> tuple:
     """fwd_ws_kernel's leading arguments, those of the call's tensors: the TMA descriptors
-    (fp8: of V transposed into a scratch buffer), O and LSE with their strides."""
+    (fp8: of V transposed into a scratch buffer, its keys permuted with `key_perm`), O and LSE
+    with their strides."""
     q_desc = descriptor(q, WG_ROWS.value)
     return (q_desc, descriptor(k, block_n),
-            descriptor(_transposed(v), q.shape[3], block_n) if fp8 else descriptor(v, block_n),
+            descriptor(_transposed(v, key_perm), q.shape[3], block_n) if fp8 else descriptor(v, block_n),
             descriptor(o, WG_ROWS.value) if o_tma else q_desc,  # unused without O_TMA
             o, *o.stride()[:3], lse, *lse.stride())
 
@@ -955,11 +1049,14 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
              "v_desc": desc(head_dim, block_n) if fp8 else desc(block_n),
              "o_desc": desc(WG_ROWS.value), "o_ptr": f"*{out}", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     maxnreg, consumer_regs, producer_regs = registers(block_m)
+    p_smem = p_through_smem(fp8, varlen)
     constexprs = dict(CAUSAL=causal, NEG_SCALE=False, O_TMA=not (fp8 or varlen), PINGPONG=pingpong, FP8=fp8,
                       BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages,
                       CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PERSISTENT=persistent,
-                      O_BUF=persistent and not fp8 and persistent_o_buffer(head_dim, block_m, block_n, num_stages),
-                      TILE_ORDER=tile_order if persistent and causal else 0, HAS_LEFT=window, VARLEN=varlen)
+                      O_BUF=persistent and not fp8 and persistent_o_buffer(head_dim, block_m, block_n, num_stages,
+                                                                           p_smem=p_smem),
+                      TILE_ORDER=tile_order if persistent and causal else 0, HAS_LEFT=window, VARLEN=varlen,
+                      P_SMEM=p_smem)
     tau = float(default_rescale_tau(head_dim, persistent, fp8) if rescale_tau is None else rescale_tau)
     check_rescale_tau(tau, fp8)
     constexprs["RESCALE_TAU"] = tau
