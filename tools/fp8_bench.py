@@ -36,7 +36,7 @@ from fmha.registry import _gluon_config
 FP8 = (DType.FP8_E4M3, DType.FP8_E5M2)
 PP, WS = Pipeline.GLUON_WS_PINGPONG, Pipeline.GLUON_WS
 # Gluon (block_n, stages, pipeline) candidates per head dim besides the registry's default.
-SWEEP = {128: [(128, 2, WS), (128, 3, WS)], 256: [(64, 3, WS), (64, 2, WS)]}
+SWEEP = {128: [(256, 2, PP), (128, 2, WS)], 256: [(128, 2, PP), (64, 3, WS)]}
 TRITON_TILE = {128: (128, 128, 8, 3), 256: (128, 64, 8, 2)}  # the registry's Triton fp8 rows
 
 
