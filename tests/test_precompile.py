@@ -160,3 +160,29 @@ def test_cli_kernels_build_also_after_the_interpreter_ran(capsys, tmp_path, trit
     data = json.loads(out)
     assert code == 0 and data["ok"] and data["counts"]["cached"] == 1 and data["counts"]["built"] == 0
     assert data["results"][0]["status"] == "cached" and data["results"][0]["dtype"] == "bf16"
+
+
+def test_gluon_fp8_forward_tiles_build_for_sm90_and_seqlen_q_is_not_specialized(tmp_path, triton_cache):
+    """The registry's Gluon fp8 forward tiles (P through shared memory, 256 keys at D 64/128, 128 at
+    D=256) compile for sm90 within the shared-memory limit. The kernel does not specialize seqlen_q:
+    with seqlen_q == 1 folded in, Triton 3.6's ptxas dies with SIGSEGV on these kernels (a decode
+    row of test_gpu_fp8.py found it; docs/performance.md attempt 83)."""
+    from fmha.kernels import fwd_gluon
+
+    assert [p.name for p in fwd_gluon.fwd_ws_kernel.params if p.do_not_specialize] == ["seqlen_q"]
+    registry = Registry([c for c in default_registry() if c.algorithm.pipeline.is_gluon and c.family == Family.FWD
+                         and DType.FP8_E4M3 in c.signature.dtypes])
+    assert sorted((c.signature.head_dim_max, c.algorithm.block_n) for c in registry) == [(64, 256), (128, 256),
+                                                                                         (256, 128)]
+    results = precompile.build(registry, "sm90", families=["fwd"], dtypes=["fp8_e4m3"], jobs=2, progress=False,
+                               record_path=tmp_path / "record.json")
+    assert len(results) == 3
+    configs = {c.name: c for c in registry}
+    for r in results:
+        assert r.status == "built", r.message
+        config = configs[r.config]
+        a = config.algorithm
+        tile = (config.signature.head_dim_max, a.block_m, a.block_n, a.num_stages, 1)
+        with_p, without_p = fwd_gluon.shared_bytes(*tile, p_smem=True), fwd_gluon.shared_bytes(*tile)
+        for k in r.kernels:  # fwd_gluon.shared_bytes counts P's buffers (the persistent kernels' budget)
+            assert k.error is None and without_p < k.shared <= with_p <= 232448, (k.variant, k.shared, with_p)
