@@ -5,7 +5,8 @@ For tiles the registry refuses (block_m 192: three consumer warpgroups; attempt 
 
     PYTHONPATH=src python tools/fp8_launch_probe.py [--hdim 128] [--tiles 128x128x2,192x64x4] [--rounds 3]
 
---tiles: block_m x block_n x stages, comma-separated (no ping-pong); a tile may end in :NAME=V, a module
+--tiles: block_m x block_n x stages, comma-separated (no ping-pong; a trailing p: the persistent kernel,
+`launch(persistent=True)`); a tile may end in :NAME=V, a module
 constant of fwd_gluon set to the integer V around that tile's launches (an experiment branch's switch,
 e.g. 128x256x2:S_AHEAD=5 on exp/fp8-p-smem, attempt 83).
 """
@@ -32,7 +33,9 @@ def main() -> int:
     for spec in a.tiles.split(","):
         shape, _, switch = spec.partition(":")
         name, _, value = switch.partition("=")
-        tiles.append((*(int(x) for x in shape.split("x")), (name, int(value)) if switch else None))
+        persistent = shape.endswith("p")
+        tiles.append((*(int(x) for x in shape.rstrip("p").split("x")), persistent,
+                      (name, int(value)) if switch else None))
     batch, heads, seqlen, d = 4, 16, 8192, a.hdim
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -41,22 +44,23 @@ def main() -> int:
     for causal in (False, True):
         flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
         calls, outs = {}, {}
-        for bm, bn, st, switch in tiles:
+        for bm, bn, st, persistent, switch in tiles:
             o = torch.empty(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16)
             lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
 
-            def call(o=o, lse=lse, bm=bm, bn=bn, st=st, switch=switch):
+            def call(o=o, lse=lse, bm=bm, bn=bn, st=st, persistent=persistent, switch=switch):
                 if switch:
                     before = getattr(fwd_gluon, switch[0])
                     setattr(fwd_gluon, switch[0], switch[1])
                 try:
                     fwd_gluon.launch(q8, k8, v8, o, lse, causal=causal, align_bottom_right=True, scale=d ** -0.5,
-                                     block_m=bm, block_n=bn, num_stages=st, pingpong=False)
+                                     block_m=bm, block_n=bn, num_stages=st, pingpong=False, persistent=persistent)
                 finally:
                     if switch:
                         setattr(fwd_gluon, switch[0], before)
                 return o
-            name = f"m{bm}n{bn}s{st}" + (f":{switch[0]}={switch[1]}" if switch else "")
+            name = f"m{bm}n{bn}s{st}" + (" persistent" if persistent else "") + (
+                f":{switch[0]}={switch[1]}" if switch else "")
             calls[name] = call
             outs[name] = call().float().clone()
         calls["bf16 (fmha)"] = lambda: fmha.attention(q, k, v, causal=causal)
