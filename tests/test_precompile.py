@@ -186,3 +186,24 @@ def test_gluon_fp8_forward_tiles_build_for_sm90_and_seqlen_q_is_not_specialized(
         with_p, without_p = fwd_gluon.shared_bytes(*tile, p_smem=True), fwd_gluon.shared_bytes(*tile)
         for k in r.kernels:  # fwd_gluon.shared_bytes counts P's buffers (the persistent kernels' budget)
             assert k.error is None and without_p < k.shared <= with_p <= 232448, (k.variant, k.shared, with_p)
+
+
+def test_the_split_kv_combine_builds_every_tile_its_launcher_picks(tmp_path, triton_cache):
+    """The combine's launcher picks its tile from the partial count (kvcache.combine_tile) and, on
+    sm90, waits for the split kernel (programmatic dependent launch): the build compiles those
+    kernels, one per partial count it rounds to, not the config's block_m alone."""
+    from fmha.kernels import kvcache
+
+    config = next(c for c in default_registry().filter(arch="sm90", dtype=DType.BF16)
+                  if c.family == Family.SPLITKV_COMBINE)
+    [result] = precompile.build(Registry([config]), "sm90", dtypes=["bf16"], jobs=2, progress=False,
+                                record_path=tmp_path / "record.json")
+    assert result.status == "built", result.message
+    assert [k.variant for k in result.kernels] == ["parts1", "parts2", "parts4", "parts8", "parts16"]
+    assert all(k.error is None for k in result.kernels)
+    jobs = [job for _, job in precompile.combine_jobs(precompile.FAMILY_KERNELS[Family.SPLITKV_COMBINE], config,
+                                                      DType.BF16, precompile.target_of("sm90"))]
+    for parts, job in zip((1, 2, 4, 8, 16), jobs, strict=True):
+        constexprs = dict(job.constexprs)
+        rows, block_s = kvcache.combine_tile(parts, config.algorithm.block_m)
+        assert (constexprs["BLOCK_M"], constexprs["BLOCK_S"], constexprs["WAIT_PRIOR"]) == (rows, block_s, kvcache.PDL)

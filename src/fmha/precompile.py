@@ -3,7 +3,9 @@
 For every config of a registry that runs on a CUDA arch, the config's kernel is compiled
 with `triton.compile(ASTSource(...), target=GPUTarget(...))` for each dtype of its
 signature and a representative feature set: "plain" (every feature off) and, for the
-kernels that mask, "causal" (bottom-right diagonal). No GPU is needed: Triton ships
+kernels that mask, "causal" (bottom-right diagonal); the split-KV combine, whose launcher
+picks its tile by partial count, compiles each of those tiles ("parts1" .. "parts16",
+`kvcache.combine_variants`). No GPU is needed: Triton ships
 ptxas, so a machine without CUDA builds for sm90 (or any arch given).
 
 What a config compiles to is data: `FAMILY_KERNELS` maps each family to its kernel
@@ -309,9 +311,11 @@ def _config_value(config: KernelConfig, source: str) -> Any:
     raise ValueError(f"unknown config field {source!r} in FAMILY_KERNELS")
 
 
-def make_job(spec: KernelSpec, config: KernelConfig, dtype: DType, variant: str) -> CompileJob:
+def make_job(spec: KernelSpec, config: KernelConfig, dtype: DType, variant: str,
+             overrides: Mapping[str, Any] | None = None) -> CompileJob:
     """The compile call for `config` at `dtype` in `variant`; ValueError if the spec does not fit
-    the kernel (a constexpr without a value, a name the kernel does not have)."""
+    the kernel (a constexpr without a value, a name the kernel does not have). `overrides`:
+    constexprs set last (the tiles a launcher derives from the config, e.g. the combine's)."""
     kernel = _kernel(spec)
     io_type = TRITON_TYPES[dtype]
     names = list(kernel.arg_names)
@@ -324,6 +328,7 @@ def make_job(spec: KernelSpec, config: KernelConfig, dtype: DType, variant: str)
     if fp8 and "FP8" in values:
         values["FP8"] = True
     values.update({name: _config_value(config, source) for name, source in spec.from_config.items()})
+    values.update(overrides or {})
     unknown = sorted((set(values) | set(spec.pointers) | spec.floats) - set(names))
     if unknown:
         raise ValueError(f"FAMILY_KERNELS names arguments {unknown} that {spec.kernel} does not have")
@@ -354,6 +359,16 @@ def make_job(spec: KernelSpec, config: KernelConfig, dtype: DType, variant: str)
     a = config.algorithm
     return CompileJob(f"{__package__}.kernels.{spec.module}", spec.kernel, tuple(signature),
                       tuple(constexprs), a.num_warps, a.num_stages)
+
+
+def combine_jobs(spec: KernelSpec, config: KernelConfig, dtype: DType, target: Any) -> list[tuple[str, CompileJob]]:
+    """The split-KV combine's compile calls: the tiles its launcher picks by partial count
+    (kvcache.combine_variants: rows a program and partials read at once from the config's block_m,
+    and the wait for the split kernel where it chains by programmatic dependent launch)."""
+    from .kernels import kvcache
+
+    return [(name, make_job(spec, config, dtype, "plain", constexprs))
+            for name, constexprs in kvcache.combine_variants(config.algorithm.block_m, target.arch // 10)]
 
 
 def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob]]:
@@ -800,6 +815,8 @@ def _plan(registry: Registry, arch: str, target: Any, limit: int, families: set[
             try:
                 if config.algorithm.pipeline.is_gluon:
                     variants = gluon_jobs(config, dtype)
+                elif config.family == Family.SPLITKV_COMBINE:
+                    variants = combine_jobs(spec, config, dtype, target)
                 else:
                     variants = [(variant, make_job(spec, config, dtype, variant)) for variant in spec.variants]
                 key = record_key(config, dtype, target, [job for _, job in variants])

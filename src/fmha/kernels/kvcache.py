@@ -631,6 +631,18 @@ def combine_tile(n_parts: int, block_m: int) -> tuple[int, int]:
     return max(1, min(block_m, COMBINE_TILE // block_s)), block_s
 
 
+def combine_variants(block_m: int, capability: int) -> list[tuple[str, dict]]:
+    """The combine kernels `launch_combine` compiles for a config's block_m on a GPU of compute
+    capability `capability` (major): one tile per partial count it rounds to (1, 2, 4, ...,
+    COMBINE_PARTS), as (variant name, constexprs) for an ahead-of-time build (fmha.precompile)."""
+    wait_prior = PDL and capability >= 9
+    out = []
+    for parts in (1 << i for i in range(COMBINE_PARTS.bit_length())):
+        rows, block_s = combine_tile(parts, block_m)
+        out.append((f"parts{block_s}", {"BLOCK_M": rows, "BLOCK_S": block_s, "WAIT_PRIOR": wait_prior}))
+    return out
+
+
 def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sinks=None,
                    block_m: int, num_warps: int, **_unused) -> launch_cache.Planned | None:
     """o_parts (n, R, D) with rows r = (b * nheads + h) * seqlen + i; lse_parts (n, R).
