@@ -35,7 +35,7 @@ from triton.knobs import HookChain
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from .plan_tables import clear_plans, keep_plan, plan_table  # noqa: F401 (the launchers' plan tables)
+from .plan_tables import PLANS_MAX, clear_plans, keep_plan, plan_table  # noqa: F401 (the launchers' plan tables)
 
 _CACHE: dict = {}
 _CACHE_MAX = 4096
@@ -301,7 +301,7 @@ def _rebuilt(proto, t):
 # strides) by (address, shape, strides, spec): a pure function of these, so a tensor at an
 # address the caching allocator hands out again reuses its encoding.
 _ENCODED = plan_table()  # (forgotten with the plans)
-_ENCODED_MAX = 4096
+_ENCODED_MAX = 4 * PLANS_MAX  # several descriptors a plan (4 a forward, up to 9 a backward): a table 4x the plans
 
 
 def _encoded(t, proto, meta: dict, spec: tuple) -> list:
