@@ -615,8 +615,13 @@ def _pdl(t) -> bool:
     sm_90 or later (the interpreter runs no PTX). The split-KV kernel lets the combine launch
     early (LAUNCH_DEPENDENTS), the combine waits for it before reading (WAIT_PRIOR): the launch
     gap between the two goes under the split kernel's tail."""
-    return PDL and t.is_cuda and _capability(t.device.index if t.device.index is not None
-                                             else torch.cuda.current_device()) >= 9
+    return t.is_cuda and _pdl_on(_capability(t.device.index if t.device.index is not None
+                                             else torch.cuda.current_device()))
+
+
+def _pdl_on(capability: int) -> bool:
+    """Whether a GPU of compute capability `capability` (major) chains the two kernels by PDL."""
+    return PDL and capability >= 9
 
 
 @functools.cache
@@ -635,7 +640,7 @@ def combine_variants(block_m: int, capability: int) -> list[tuple[str, dict]]:
     """The combine kernels `launch_combine` compiles for a config's block_m on a GPU of compute
     capability `capability` (major): one tile per partial count it rounds to (1, 2, 4, ...,
     COMBINE_PARTS), as (variant name, constexprs) for an ahead-of-time build (fmha.precompile)."""
-    wait_prior = PDL and capability >= 9
+    wait_prior = _pdl_on(capability)
     out = []
     for parts in (1 << i for i in range(COMBINE_PARTS.bit_length())):
         rows, block_s = combine_tile(parts, block_m)
