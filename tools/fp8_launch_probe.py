@@ -20,6 +20,7 @@ import argparse
 import statistics
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import fmha
@@ -74,8 +75,6 @@ def main() -> int:
         ref = f"{'fp16' if a.dtype == 'fp16' else 'bf16'} (fmha)"
         calls[ref] = lambda: fmha.attention(q, k, v, causal=causal)
         if a.dtype != "e4m3":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
             def cudnn():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -86,12 +85,12 @@ def main() -> int:
             for n in names[r % len(names):] + names[:r % len(names)]:
                 times[n].append(do_bench(calls[n], warmup=25, rep=100, return_mode="median"))
         first = outs[names[0]]
-        bf16 = statistics.median(times[ref])
+        ref_ms = statistics.median(times[ref])
         for n in names:
             ms = statistics.median(times[n])
             diff = f"max diff from {names[0]} {float((outs[n] - first).abs().max()):.2e}" if n in outs else ""
             print(f"D={d} causal={causal!s:<5} {n:22s} {ms:.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s "
-                  f"x{bf16 / ms:.3f} of {ref}" + (f" x{statistics.median(times['cudnn']) / ms:.3f} of cudnn"
+                  f"x{ref_ms / ms:.3f} of {ref}" + (f" x{statistics.median(times['cudnn']) / ms:.3f} of cudnn"
                                                  if "cudnn" in times else "") + f"  {diff}", flush=True)
     return 0
 

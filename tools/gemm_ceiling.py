@@ -14,18 +14,23 @@ import torch
 from triton.testing import do_bench
 
 
+def gemm_calls(n: int) -> dict:
+    """The two products at M = N = K = n: name -> call (also tools/power_probe.py's GEMM contenders)."""
+    x, y = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    x8 = x.to(torch.float8_e4m3fn)
+    y8 = y.to(torch.float8_e4m3fn).t().contiguous().t()  # column-major B, as cuBLASLt's fp8 path wants
+    one = torch.ones((), device="cuda")
+    return {"bf16 mm": lambda: torch.mm(x, y),
+            "fp8 e4m3 _scaled_mm": lambda: torch._scaled_mm(x8, y8, one, one, out_dtype=torch.bfloat16)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--size", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     n = a.size
-    x, y = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    x8 = x.to(torch.float8_e4m3fn)
-    y8 = y.to(torch.float8_e4m3fn).t().contiguous().t()  # column-major B, as cuBLASLt's fp8 path wants
-    one = torch.ones((), device="cuda")
-    calls = {"bf16 mm": lambda: torch.mm(x, y),
-             "fp8 e4m3 _scaled_mm": lambda: torch._scaled_mm(x8, y8, one, one, out_dtype=torch.bfloat16)}
+    calls = gemm_calls(n)
     times: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(a.rounds):
         for name, fn in calls.items():
