@@ -226,3 +226,38 @@ def test_gradients_through_lse_alone(rng):
     ref = torch.autograd.grad(ref_lse.sum(), ref_leaves[:2])
     for a, b in zip(ours, ref, strict=True):
         assert torch.allclose(a.double(), b, atol=1e-5), float((a.double() - b).abs().max())
+
+
+def test_dot_do_o_zeroes_the_dq_accumulator(rng):
+    """Stage 1 of the atomic backward zeroes the fp32 dQ accumulator (no fill kernel of its own):
+    every row and head-dim column of it (q's head dim, here wider than v's), and nothing else of
+    delta changes. The accumulator starts as NaN, so a row left out shows."""
+    from fmha.kernels.loader import family_module
+
+    bwd = family_module("bwd", interpreted=True)
+    b, h, s, dqk, dv = 2, 3, 37, 40, 24  # 37 rows: a partial last block of 16
+    o, do = randn((b, h, s, dv), torch.float16, rng), randn((b, h, s, dv), torch.float16, rng)
+    lse, delta = randn((b, h, s), torch.float32, rng), torch.full((b, h, s), float("nan"))
+    dq_acc = torch.full((b, s, h, dqk), float("nan")).transpose(1, 2)  # a bshd buffer in the kernels' view
+    bwd.launch_dot_do_o(o, do, lse, delta, dq_acc, batch=b, max_seqlen_q=s, block_m=16, num_warps=4, num_stages=1)
+    assert not dq_acc.isnan().any() and not dq_acc.any()
+    torch.testing.assert_close(delta, (o.float() * do.float()).sum(-1), atol=1e-3, rtol=1e-3)
+
+
+def test_backward_gradients_with_an_unzeroed_dq_accumulator(rng, monkeypatch):
+    """The dense atomic backward allocates its dQ accumulator without zeroing it (stage 1 does):
+    with that buffer filled with NaN first, the gradients still match the reference."""
+    original = fmha.api._dq_accumulator
+
+    def poisoned(*args):
+        acc, zeroed = original(*args)
+        if not zeroed:
+            acc.fill_(float("nan"))
+        return acc, zeroed
+
+    monkeypatch.setattr(fmha.api, "_dq_accumulator", poisoned)
+    for layout in ("bhsd", "bshd"):
+        q, k, v = make_qkv(rng, batch=2, nhead_q=4, nhead_k=2, seqlen_q=37, seqlen_k=45, head_dim=32,
+                           dtype=torch.float16, layout=layout)
+        grads = check_backward(q, k, v, layout=layout, causal=True)
+        assert not grads["dq"].isnan().any()

@@ -120,7 +120,8 @@ def main() -> int:
                                  "DOT_PRECISION": "ieee", "BLOCK_M": bm, "BLOCK_N": bn,
                                  "BLOCK_DQK": d, "BLOCK_DV": d}),
                 (bwd.dot_do_o_kernel, {"IS_VARLEN": combo["IS_VARLEN"], "HAS_DLSE": True,
-                                       "HAS_SINKS": combo["HAS_BIAS"], "BLOCK_M": 64, "BLOCK_DV": d}),
+                                       "HAS_SINKS": combo["HAS_BIAS"], "ZERO_DQ": not combo["IS_VARLEN"],
+                                       "BLOCK_M": 64, "BLOCK_DV": d, "BLOCK_DQK": d}),
             ]
             for kernel, constexprs in jobs:
                 if only and kernel.fn.__name__ not in only:

@@ -474,30 +474,35 @@ def _bwd_body(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_sl
                                  dtype=stats, device=q.device)
     o_view, do_view = _kernel_view(o, prep), _kernel_view(do, prep)
     if planned is not None:  # (a plain eager backward again: its three launches' plans)
-        dq_acc = torch.zeros_like(dq, dtype=stats, memory_format=contiguous)
+        dq_acc, zeroed = _dq_accumulator(dq, stats, exact_delta, varlen)
+        dq_acc_view = _kernel_view(dq_acc, prep)
         cu_q, cu_k = ((cu_seqlens_q,), (cu_seqlens_q, cu_seqlens_k)) if varlen else ((), ())  # (the kernels read them)
-        planned.dot.launch(o_view, do_view, lse, delta, *cu_q)
+        planned.dot.launch(o_view, do_view, lse, delta, None if zeroed else dq_acc_view, *cu_q)
         planned.dkdv.launch(prep.q, prep.k, prep.v, do_view.contiguous() if planned.do_copied else do_view, lse,
-                            delta, dk_view, dv_view, _kernel_view(dq_acc, prep), *cu_k)
+                            delta, dk_view, dv_view, dq_acc_view, *cu_k)
         planned.convert.launch(dq_acc, dq)
     else:
         shared = _kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, seed, offset)
-        dot = None
+        dot = dq_acc = dq_acc_view = None
+        zeroed = True
+        if not problem.deterministic:  # dQ by atomics into an fp32 accumulator
+            dq_acc, zeroed = _dq_accumulator(dq, stats, exact_delta, varlen)
+            dq_acc_view = _kernel_view(dq_acc, prep)
         with _device_guard(q):
             if exact_delta:
                 kernels.launch_delta(prep.q, prep.k, prep.v, do_view, lse, delta, dlse=dlse,
                                      sinks=sinks if want_dsinks else None, dsinks_rows=dsinks_rows,
                                      **shared, **launches.stage1)
             else:
-                dot = kernels.launch_dot_do_o(o_view, do_view, lse, delta, dlse=dlse, **shared, **launches.stage1)
+                dot = kernels.launch_dot_do_o(o_view, do_view, lse, delta, None if zeroed else dq_acc_view,
+                                              dlse=dlse, **shared, **launches.stage1)
             if problem.deterministic:
                 kernels.launch_dkdv(prep.q, prep.k, prep.v, do_view, lse, delta, dk_view, dv_view,
                                     dbias=dbias_full, **shared, **_algo(launches.dkdv))
                 kernels.launch_dq(prep.q, prep.k, prep.v, do_view, lse, delta, dq_view, **shared, **launches.dq)
             else:
-                dq_acc = torch.zeros_like(dq, dtype=stats, memory_format=contiguous)
                 dkdv = _launch_dkdv(prep, launches.dkdv, do_view, lse, delta, dk_view, dv_view,
-                                    _kernel_view(dq_acc, prep), dbias_full, shared)
+                                    dq_acc_view, dbias_full, shared)
                 convert = kernels.launch_convert_dq(dq_acc, dq, scale=prep.scale, **launches.convert)
                 if plan_key is not None and dot is not None and dkdv is not None and convert is not None:
                     keep_plan(table, plan_key, _BackwardPlan(dot, dkdv, convert, not _tma_aligned(do_view)))
@@ -519,6 +524,15 @@ def _bwd_body(do, dlse, o, lse, want_dbias, want_dsinks, q, k, v, bias, alibi_sl
         dsinks = dsinks_rows.sum(dim=tuple(i for i in range(dsinks_rows.dim()) if i != head_axis))
         dsinks = dsinks.to(sinks.dtype)
     return dq, dk, dv, dbias, dsinks
+
+
+def _dq_accumulator(dq: Tensor, stats: torch.dtype, exact_delta: bool, varlen: bool) -> tuple[Tensor, bool]:
+    """The fp32 dQ accumulator of the atomic backward, and whether it is zeroed already. The dense
+    dot(dO, O) kernel zeroes it (one fill kernel less); the exact-delta pass does not, and a varlen
+    batch's rows past cu_seqlens_q[-1] belong to no dot(dO, O) program (their dQ must read 0)."""
+    if exact_delta or varlen:
+        return torch.zeros_like(dq, dtype=stats, memory_format=torch.contiguous_format), True
+    return torch.empty_like(dq, dtype=stats, memory_format=torch.contiguous_format), False
 
 
 class _BackwardPlan:

@@ -135,9 +135,10 @@ FAMILY_KERNELS: dict[Family, KernelSpec] = {
     Family.BWD_DOT_DO_O: KernelSpec(
         "bwd", "dot_do_o_kernel",
         pointers={"O": IO, "dO": IO,
-                  **dict.fromkeys(("dLSE", "LSE", "Delta", "dSinksRows", "Sinks", "cu_seqlens_q"), "fp32")},
+                  **dict.fromkeys(("dLSE", "LSE", "Delta", "dSinksRows", "Sinks", "cu_seqlens_q", "dQacc"), "fp32")},
         flags=("IS_VARLEN", "HAS_DLSE", "HAS_SINKS"),
-        from_config={"BLOCK_M": "block_m", "BLOCK_DV": "head_dim"}),
+        constants={"ZERO_DQ": True},  # the dense atomic backward's stage 1 zeroes the dQ accumulator
+        from_config={"BLOCK_M": "block_m", "BLOCK_DV": "head_dim", "BLOCK_DQK": "head_dim"}),
     Family.BWD_DQ_DK_DV: KernelSpec(
         "bwd", "dkdv_kernel",
         pointers={**dict.fromkeys(("Q", "K", "V", "dO", "dK", "dV"), IO),

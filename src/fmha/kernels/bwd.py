@@ -2,11 +2,11 @@
 
 Stage 1 (`dot_do_o_kernel`): delta = rowsum(dO * O) - dlse per query row (dlse is the
 gradient flowing into a returned LSE; it folds into delta because d lse / d s = P), and
-the per-row share of d sinks. When dbias or dsinks are wanted, stage 1 is instead
-`dq_kernel` with DELTA_ONLY (`launch_delta`): delta = rowsum(P * dP) - dlse in fp32 from
-recomputed tiles, because O is stored rounded to fp16/bf16 and rowsum(dO * O) then does not
-cancel against the sum of P * dP that the dS row sums (dbias broadcast over keys, dsinks)
-depend on.
+the per-row share of d sinks; it also zeroes the fp32 dQ accumulator of stage 2's atomics
+(one fill kernel less). When dbias or dsinks are wanted, stage 1 is instead `dq_kernel`
+with DELTA_ONLY (`launch_delta`): delta = rowsum(P * dP) - dlse in fp32 from recomputed
+tiles, because O is stored rounded to fp16/bf16 and rowsum(dO * O) then does not cancel
+against the sum of P * dP that the dS row sums (dbias broadcast over keys, dsinks) depend on.
 Stage 2 (`dkdv_kernel`): one program per (key block, batch, KV head) walks the query
 blocks that can see its keys, for every query head of its group, recomputing P from the
 saved LSE; dK and dV accumulate in registers (GQA sums inside the program, no atomics).
@@ -28,14 +28,17 @@ from .launch_args import alibi_strides, bias_strides, cdiv, feature_flags, padde
 
 @triton.jit
 def dot_do_o_kernel(
-    O, dO, dLSE, LSE, Delta, dSinksRows, Sinks, cu_seqlens_q,
+    O, dO, dLSE, LSE, Delta, dSinksRows, Sinks, cu_seqlens_q, dQacc,
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, stride_lm,
-    nheads_q, seqlen_q, head_dim_v,
-    IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_SINKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    stride_dqb, stride_dqh, stride_dqm,
+    nheads_q, seqlen_q, head_dim_v, head_dim_qk,
+    IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_SINKS: tl.constexpr, ZERO_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DQK: tl.constexpr,
 ):
+    """delta of BLOCK_M query rows of one head; with ZERO_DQ also zeroes those rows of the fp32
+    dQ accumulator (which stage 2 adds into), so that it needs no fill kernel of its own."""
     num_m = tl.cdiv(seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid // num_m
@@ -64,6 +67,10 @@ def dot_do_o_kernel(
         lse = tl.load(LSE + lrow, mask=row_ok, other=0.0)
         p_sink = tl.exp(tl.load(Sinks + h) - lse)
         tl.store(dSinksRows + lrow, -p_sink * delta, mask=row_ok)
+    if ZERO_DQ:
+        offs_k = tl.arange(0, BLOCK_DQK)
+        tl.store(dQacc + b64 * stride_dqb + h * stride_dqh + grow[:, None] * stride_dqm + offs_k[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32), mask=row_ok[:, None] & (offs_k[None, :] < head_dim_qk))
 
 
 @triton.jit
@@ -395,43 +402,49 @@ def _dims(q, k, v):
     return nheads_q, nheads_k, head_dim_qk, head_dim_v
 
 
-def launch_dot_do_o(o, do, lse, delta, *, dlse=None, sinks=None, dsinks_rows=None,
+def launch_dot_do_o(o, do, lse, delta, dq_acc=None, *, dlse=None, sinks=None, dsinks_rows=None,
                     cu_seqlens_q=None, batch: int, max_seqlen_q: int,
                     block_m: int, num_warps: int, num_stages: int, **_unused) -> launch_cache.Planned | None:
-    """delta = rowsum(dO * O) (minus dlse; sinks' shares into dsinks_rows). Returns the launch
-    plan it ran or made (the plain case), as fwd_gluon.launch: `Planned.launch(o, do, lse, delta)`,
-    varlen `(o, do, lse, delta, cu_seqlens_q)` (keyed by metadata: the kernel reads the prefix sums)."""
+    """delta = rowsum(dO * O) (minus dlse; sinks' shares into dsinks_rows), and the fp32 dQ
+    accumulator `dq_acc` (q's shape, in the kernels' layout) zeroed where given. Returns the
+    launch plan it ran or made (the plain case), as fwd_gluon.launch: `Planned.launch(o, do, lse,
+    delta, dq_acc)`, varlen `(o, do, lse, delta, dq_acc, cu_seqlens_q)` (keyed by metadata: the
+    kernel reads the prefix sums)."""
     varlen = cu_seqlens_q is not None
     key = None  # a plan (launch_cache) for the plain case: no dlse, no sinks
     if dlse is None and sinks is None and dsinks_rows is None and launch_cache.plans_enabled(dot_do_o_kernel):
         key = (o.shape, o.stride(), do.stride(), lse.shape, lse.stride(), delta.stride(), o.dtype, do.dtype,
                o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0,
                delta.data_ptr() % 16 == 0, launch_cache.current_device(), batch, max_seqlen_q, block_m, num_warps,
-               num_stages, varlen)
+               num_stages, varlen, None if dq_acc is None else (dq_acc.shape, dq_acc.stride()))
         planned = _DOT_DO_O_PLANS.get(key)
         if planned is not None:
-            planned.launch(o, do, lse, delta, *((cu_seqlens_q,) if varlen else ()))
+            planned.launch(o, do, lse, delta, dq_acc, *((cu_seqlens_q,) if varlen else ()))
             return planned
     nheads_q, head_dim_v = o.shape[1], o.shape[-1]
     grid = (cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
     if grid[0] == 0:
         return None
+    head_dim_qk = dq_acc.shape[-1] if dq_acc is not None else head_dim_v
     tail = (*seq_strides(o, varlen), *seq_strides(do, varlen), *row_strides(lse, varlen),
-            nheads_q, max_seqlen_q, head_dim_v)
+            *(seq_strides(dq_acc, varlen) if dq_acc is not None else (0, 0, 0)),
+            nheads_q, max_seqlen_q, head_dim_v, head_dim_qk)
     plan = launch_cache.make_plan(dot_do_o_kernel, grid,
         o, do, dlse if dlse is not None else lse, lse, delta,
         dsinks_rows if dsinks_rows is not None else delta, sinks if sinks is not None else lse,
-        cu_seqlens_q if varlen else lse, *tail,
-        IS_VARLEN=varlen, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None,
-        BLOCK_M=block_m, BLOCK_DV=padded_dim(head_dim_v), num_warps=num_warps, num_stages=num_stages,
+        cu_seqlens_q if varlen else lse, dq_acc if dq_acc is not None else delta, *tail,
+        IS_VARLEN=varlen, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None, ZERO_DQ=dq_acc is not None,
+        BLOCK_M=block_m, BLOCK_DV=padded_dim(head_dim_v), BLOCK_DQK=padded_dim(head_dim_qk), num_warps=num_warps,
+        num_stages=num_stages,
     )
     return launch_cache.keep(_DOT_DO_O_PLANS, key, plan, dot_do_o_kernel, tail, _dot_plan_tensors)
 
 
-def _dot_plan_tensors(o, do, lse, delta, cu_seqlens_q=None) -> tuple:
+def _dot_plan_tensors(o, do, lse, delta, dq_acc=None, cu_seqlens_q=None) -> tuple:
     """dot_do_o_kernel's tensors in the plain case (no dlse or sinks: lse and delta in the unused
-    places; lse in cu_seqlens_q's too where dense)."""
-    return o, do, lse, lse, delta, delta, lse, lse if cu_seqlens_q is None else cu_seqlens_q
+    places; lse in cu_seqlens_q's too where dense, delta in dq_acc's where it is not zeroed)."""
+    return (o, do, lse, lse, delta, delta, lse, lse if cu_seqlens_q is None else cu_seqlens_q,
+            delta if dq_acc is None else dq_acc)
 
 
 _DOT_DO_O_PLANS = launch_cache.plan_table()
