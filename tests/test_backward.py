@@ -230,8 +230,8 @@ def test_gradients_through_lse_alone(rng):
 
 def test_dot_do_o_zeroes_the_dq_accumulator(rng):
     """Stage 1 of the atomic backward zeroes the fp32 dQ accumulator (no fill kernel of its own):
-    every row and head-dim column of it (q's head dim, here wider than v's), and nothing else of
-    delta changes. The accumulator starts as NaN, so a row left out shows."""
+    every row and head-dim column of it (q's head dim, here wider than v's), with delta still
+    rowsum(dO * O). The accumulator starts as NaN, so a row left out shows."""
     from fmha.kernels.loader import family_module
 
     bwd = family_module("bwd", interpreted=True)

@@ -362,7 +362,13 @@ def test_backward_helper_plans_launch_what_the_launchers_build(monkeypatch):
         return runs[-1]
 
     _check_plan(dot, dot_tensors)
+    _check_plan(dot, lambda: (*dot_tensors(), torch.empty(b, h, s, d)))  # with the dQ accumulator to zero
     _check_plan(convert, lambda: (torch.empty(b, h, s, d), torch.empty(b, h, s, d, dtype=torch.bfloat16)))
+    launch_cache.clear_plans()
+    # a dQ accumulator 4 bytes off 16-byte alignment (the JIT specializes on it) is a plan of its own
+    dot((*dot_tensors(), torch.empty(b, h, s, d)))
+    dot((*dot_tensors(), torch.empty(b * h * s * d + 1)[1:].view(b, h, s, d)))
+    assert len(bwd._DOT_DO_O_PLANS) == 2
     launch_cache.clear_plans()
     ts = dot_tensors()
     for _ in range(2):

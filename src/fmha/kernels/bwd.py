@@ -416,7 +416,8 @@ def launch_dot_do_o(o, do, lse, delta, dq_acc=None, *, dlse=None, sinks=None, ds
         key = (o.shape, o.stride(), do.stride(), lse.shape, lse.stride(), delta.stride(), o.dtype, do.dtype,
                o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0,
                delta.data_ptr() % 16 == 0, launch_cache.current_device(), batch, max_seqlen_q, block_m, num_warps,
-               num_stages, varlen, None if dq_acc is None else (dq_acc.shape, dq_acc.stride()))
+               num_stages, varlen,
+               None if dq_acc is None else (dq_acc.shape, dq_acc.stride(), dq_acc.data_ptr() % 16 == 0))
         planned = _DOT_DO_O_PLANS.get(key)
         if planned is not None:
             planned.launch(o, do, lse, delta, dq_acc, *((cu_seqlens_q,) if varlen else ()))
