@@ -253,6 +253,32 @@ def test_gluon_fp8_v_transposed_with_key_permutation_gives_p_v(seqlen, view):
     np.testing.assert_allclose(p[..., perm] @ vt.double().numpy().swapaxes(2, 3), p @ v_pad, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("key_perm", [False, True])
+@pytest.mark.parametrize("seqlen, head_dim, view", [(1, 16, "bhsd"), (31, 80, "bshd"), (100, 16, "column_major"),
+                                                    (300, 48, "bhsd")])
+def test_fp8_vt_kernel_copies_as_the_torch_permutation_does(seqlen, head_dim, view, key_perm):
+    """`fp8_vt.vt_kernel` (the GPU's V^T scratch copy), run by the interpreter with tiles smaller
+    than the keys and D, writes the bytes the torch copy above (checked against P V) writes,
+    zeros included, over a buffer filled with other bytes; each program's keys are permuted
+    within blocks of 32 and D split across programs."""
+    from fmha.kernels.fwd_gluon import _transposed_by_torch
+    from fmha.kernels.loader import family_module
+
+    rng = _rng()
+    v = _x((2, 3, seqlen, head_dim), rng).to(E4M3)
+    if view == "bshd":
+        v = v.transpose(1, 2).contiguous().transpose(1, 2)
+    elif view == "column_major":
+        v = v.transpose(2, 3).contiguous().transpose(2, 3)
+    n = -(-seqlen // 32) * 32 if key_perm else seqlen
+    expected = torch.full((2, 3, head_dim, n), 7, dtype=torch.uint8)
+    _transposed_by_torch(v, expected, key_perm)
+    got = torch.full((2, 3, head_dim, n), 9, dtype=torch.uint8)
+    family_module("fp8_vt", interpreted=True).launch_vt(v.view(torch.uint8), got, key_perm=key_perm,
+                                                        block_s=32, block_d=16)
+    assert torch.equal(got, expected)
+
+
 # ---------------------------------------------------------------------------- dispatch and errors
 
 

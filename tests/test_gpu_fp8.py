@@ -132,6 +132,26 @@ def test_fp8_column_major_v(rng):
     assert float((a.float() - b.float()).abs().max()) <= 2.0**-7 * float(a.float().abs().max())
 
 
+@pytest.mark.parametrize("shape, view", [((4, 16, 8192, 128), "bhsd"), ((2, 8, 4097, 256), "bshd"),
+                                         ((1, 3, 1000, 64), "column_major"), ((3, 5, 31, 80), "bhsd")])
+@pytest.mark.parametrize("key_perm", [False, True])
+def test_fp8_vt_kernel_matches_the_torch_copy(rng, shape, view, key_perm):
+    """The V^T scratch of the Gluon fp8 forward, copied by `fp8_vt.vt_kernel` on the GPU: the same
+    bytes as torch's strided copy (`_transposed_by_torch`, whose layout the CPU tests check against
+    P V), zeros past the keys included, at the benchmark's size, odd lengths and every V view."""
+    from fmha.kernels.fwd_gluon import _transposed, _transposed_by_torch
+
+    v = _x(shape, rng).to(E4M3)
+    if view == "bshd":
+        v = v.transpose(1, 2).contiguous().transpose(1, 2)
+    elif view == "column_major":
+        v = v.transpose(2, 3).contiguous().transpose(2, 3)
+    got = _transposed(v, key_perm=key_perm)
+    expected = torch.full(got.shape, 7, dtype=torch.uint8, device=CUDA)
+    _transposed_by_torch(v, expected, key_perm)
+    assert torch.equal(got.view(torch.uint8), expected)
+
+
 def test_fp8_grad_is_refused(rng):
     q8 = _x((1, 2, 64, 64), rng).to(E4M3).requires_grad_()
     with pytest.raises(NotImplementedError, match="no backward for float8"):

@@ -379,7 +379,7 @@ def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob
     them, window: a sliding window (left, 0), and varlen: packed causal sequences): the forward
     (kernels/fwd_gluon.py) or the dK/dV backward with dQ added into an fp32 buffer
     (kernels/bwd_gluon.py)."""
-    from .kernels import bwd_gluon, fwd_gluon
+    from .kernels import bwd_gluon, fp8_vt, fwd_gluon
     from .kernels.persistent_schedule import PAIRS
 
     a = config.algorithm
@@ -421,6 +421,11 @@ def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob
         jobs.append((variant, CompileJob(module.__name__, kernel, tuple(signature.items()),
                                          tuple(constexprs.items()), options["num_warps"], 1, "gluon",
                                          options.get("maxnreg"))))
+    if config.family == Family.FWD and dtype in (DType.FP8_E4M3, DType.FP8_E5M2):
+        # the V^T scratch copy each fp8 call runs first (kernels/fp8_vt.py)
+        signature, constexprs, options = fp8_vt.compile_spec(fwd_gluon.p_through_smem(True))
+        jobs.append(("vt", CompileJob(fp8_vt.__name__, "vt_kernel", tuple(signature.items()),
+                                      tuple(constexprs.items()), options["num_warps"], 1)))
     return jobs
 
 
