@@ -152,6 +152,21 @@ def test_fp8_vt_kernel_matches_the_torch_copy(rng, shape, view, key_perm):
     assert torch.equal(got.view(torch.uint8), expected)
 
 
+def test_fp8_gluon_forward_without_descales_reads_descale_one(rng):
+    """Omitted descales are 1 for every (batch, head) in the Gluon fp8 kernel: the output equals
+    the one with explicit per-tensor ones. (The absent descale was a (1, 1, 1) tensor with unit
+    strides, which the kernel indexed by batch and head: reads past its one element, here into a
+    freed block the allocator hands back, holding 1000.)"""
+    q8, k8, v8 = (_x((3, 6, 300, 128), rng).to(E4M3) for _ in range(3))
+    assert "gluon" in fmha.explain(q8, k8, v8)
+    ones = [torch.ones((), device=CUDA) for _ in range(3)]
+    want = fmha.attention(q8, k8, v8, q_descale=ones[0], k_descale=ones[1], v_descale=ones[2])
+    for _ in range(3):
+        junk = torch.full((128,), 1000.0, device=CUDA)
+        del junk
+        assert torch.equal(fmha.attention(q8, k8, v8), want)
+
+
 def test_fp8_grad_is_refused(rng):
     q8 = _x((1, 2, 64, 64), rng).to(E4M3).requires_grad_()
     with pytest.raises(NotImplementedError, match="no backward for float8"):

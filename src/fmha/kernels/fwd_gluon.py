@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import fp8_vt, launch_cache
 from .gluon_common import acc_layout, descriptor, descriptor_type, tma_aligned
-from .launch_args import cdiv
+from .launch_args import cdiv, unit_descale
 from .persistent_schedule import causal_tile_order
 
 LOG2E = 1.4426950408889634
@@ -932,8 +932,8 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
             tile_order = causal_tile_order(tile_order, batch * nheads_q, row_tiles, grid[0])
     if fp8:
         descales = descales or (None, None, None)
-        if None in descales:  # an absent descale is 1
-            one = torch.ones((1, 1, 1), dtype=torch.float32, device=q.device)
+        if None in descales:  # an absent descale is 1, for every (batch, head): zero strides
+            one = unit_descale(q.device).as_strided((1, 1, 1), (0, 0, 0))
             descales = tuple(one if d is None else d for d in descales)
         qd, kd, vd = descales
         qd_group = nheads_q // qd.shape[1] if qd.shape[1] > 1 else 1
