@@ -217,7 +217,8 @@ def default_registry() -> Registry:
     # memory (fwd_gluon's P_SMEM), which leaves room for the longer key tiles: D=64 n256, D=128 n256
     # and D=256 n128 ran 1.13x / 1.29x / 1.41x our bf16 forward where the n128 / n128 / n64 tiles with
     # P in registers ran 0.93x / 1.10x / 1.17x (H200, 2026-12-01, attempt 83; ping-pong was 0-2%
-    # slower, 2026-11-30).
+    # slower, 2026-11-30); whole calls, those ratios include a slow torch copy of V^T that attempt 95
+    # replaced: D=128 / D=256 now 1.43x / 1.57x.
     e4m3, ws8 = (DType.FP8_E4M3,), "FA3-style warp-specialized fp8 forward (V transposed first, P via shared memory)"
     configs += [_gluon_config(Family.FWD, d, 128, n, 4, st, Pipeline.GLUON_WS, ws8, fwd_features, e4m3)
                 for d, n, st in ((64, 256, 2), (128, 256, 2), (256, 128, 2))]
