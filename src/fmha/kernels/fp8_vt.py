@@ -16,8 +16,6 @@ import triton.language as tl
 from . import launch_cache
 from .launch_args import cdiv
 
-KEY_BLOCK = 32  # the permutation's block (the e4m3 k32 A fragment)
-
 
 @triton.jit
 def vt_kernel(Src, Dst, nheads, seqlen, head_dim, n_keys_out,
@@ -34,7 +32,7 @@ def vt_kernel(Src, Dst, nheads, seqlen, head_dim, n_keys_out,
     h = (bh % nheads).to(tl.int64)
     a = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)  # key position in V^T
     c = a  # the key of V it holds
-    if KEY_PERM:
+    if KEY_PERM:  # within blocks of 32 keys (fwd_gluon.KEY_PERM_BLOCK: the e4m3 k32 A fragment)
         w = a % 32
         c = a - w + 16 * (w // 16) + 8 * ((w // 2) % 2) + 2 * ((w // 4) % 4) + w % 2
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
