@@ -43,6 +43,16 @@ def quantized(x, dtype, granularity, block_size=16, layout="bhsd", cu_seqlens=No
     return x8, d, deq.double()
 
 
+def stored_as(v, view: str):
+    """v (B, H, S, D) with the same values stored as `view`: "bhsd" (as it is), "bshd" (rows of all
+    heads together), or "column_major" (S the unit-stride dimension)."""
+    if view == "bshd":
+        return v.transpose(1, 2).contiguous().transpose(1, 2)
+    if view == "column_major":
+        return v.transpose(2, 3).contiguous().transpose(2, 3)
+    return v
+
+
 def spread(descale) -> float:
     """Largest ratio of v descales within one (batch, head): 1 unless per block."""
     if descale is None or descale.dim() < 3:

@@ -22,7 +22,7 @@ from fmha import reference
 from fmha.fp8 import dequantize_fp8, quantize_fp8
 
 from fp8_testing import bound as fp8_bound
-from fp8_testing import check_close, probabilities, quantized, run_and_check, run_and_check_varlen
+from fp8_testing import check_close, probabilities, quantized, run_and_check, run_and_check_varlen, stored_as
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = [E4M3, E5M2]
@@ -235,10 +235,7 @@ def test_gluon_fp8_v_transposed_with_key_permutation_gives_p_v(seqlen, view):
     rng = _rng()
     B, H, D = 2, 3, 16
     v = _x((B, H, seqlen, D), rng).to(E4M3)
-    if view == "bshd":
-        v = v.transpose(1, 2).contiguous().transpose(1, 2)
-    elif view == "column_major":
-        v = v.transpose(2, 3).contiguous().transpose(2, 3)
+    v = stored_as(v, view)
     plain = _transposed(v)
     assert plain.shape == (B, H, D, seqlen) and torch.equal(plain.view(torch.uint8), v.view(torch.uint8).mT)
     vt = _transposed(v, key_perm=True)
@@ -266,10 +263,7 @@ def test_fp8_vt_kernel_copies_as_the_torch_permutation_does(seqlen, head_dim, vi
 
     rng = _rng()
     v = _x((2, 3, seqlen, head_dim), rng).to(E4M3)
-    if view == "bshd":
-        v = v.transpose(1, 2).contiguous().transpose(1, 2)
-    elif view == "column_major":
-        v = v.transpose(2, 3).contiguous().transpose(2, 3)
+    v = stored_as(v, view)
     n = -(-seqlen // 32) * 32 if key_perm else seqlen
     expected = torch.full((2, 3, head_dim, n), 7, dtype=torch.uint8)
     _transposed_by_torch(v, expected, key_perm)

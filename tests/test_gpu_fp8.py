@@ -17,7 +17,7 @@ from fmha.api import use_dispatcher
 from fmha.fp8 import quantize_fp8
 from fmha.kernels import kvcache
 
-from fp8_testing import quantized, run_and_check, run_and_check_varlen
+from fp8_testing import quantized, run_and_check, run_and_check_varlen, stored_as
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
@@ -142,10 +142,7 @@ def test_fp8_vt_kernel_matches_the_torch_copy(rng, shape, view, key_perm):
     from fmha.kernels.fwd_gluon import _transposed, _transposed_by_torch
 
     v = _x(shape, rng).to(E4M3)
-    if view == "bshd":
-        v = v.transpose(1, 2).contiguous().transpose(1, 2)
-    elif view == "column_major":
-        v = v.transpose(2, 3).contiguous().transpose(2, 3)
+    v = stored_as(v, view)
     got = _transposed(v, key_perm=key_perm)
     expected = torch.full(got.shape, 7, dtype=torch.uint8, device=CUDA)
     _transposed_by_torch(v, expected, key_perm)

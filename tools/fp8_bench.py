@@ -63,6 +63,17 @@ def triton_candidate(head_dim: int) -> KernelConfig:
     return KernelConfig(Signature(Family.FWD, FP8, (arch,), head_dim), Algorithm(*TRITON_TILE[head_dim]))
 
 
+B, H, S = 4, 16, 8192  # issue 6's benchmark shape
+
+
+def issue_inputs(head_dim: int) -> tuple:
+    """((q, k, v) bf16 (B, H, S, head_dim) of issue 6's shape, seeded by head_dim, and their e4m3
+    quantizations ((q8, q_descale), ...) with per-(batch, head) descales)."""
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    qkv = tuple(torch.randn(B, H, S, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
+    return qkv, tuple(fmha.quantize_fp8(t, torch.float8_e4m3fn, "head") for t in qkv)
+
+
 def main() -> int:
     args = sys.argv[1:]
     out = args[0] if args and not args[0].startswith("--") else "fp8_bench.json"
@@ -72,12 +83,9 @@ def main() -> int:
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(env)
-    B, H, S = 4, 16, 8192
     results = []
     for D in () if decode_only else (128, 256):
-        gen = torch.Generator(device="cuda").manual_seed(D)
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
-        (q8, qd), (k8, kd), (v8, vd) = (fmha.quantize_fp8(t, torch.float8_e4m3fn, "head") for t in (q, k, v))
+        (q, k, v), ((q8, qd), (k8, kd), (v8, vd)) = issue_inputs(D)
         for causal in (False, True):
             flops = 4 * B * H * S * S * D / (2 if causal else 1)
             runs = {"bf16": (None, lambda: fmha.attention(q, k, v, causal=causal))}

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import torch
 import triton
+from fp8_bench import issue_inputs  # (tools/: the script's directory)
 from torch.profiler import ProfilerActivity, profile
 
 import fmha
@@ -19,11 +20,8 @@ from fmha.kernels import fwd_gluon
 
 
 def main() -> int:
-    B, H, S = 4, 16, 8192
     for D in (128, 256):
-        gen = torch.Generator(device="cuda").manual_seed(D)
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
-        (q8, qd), (k8, kd), (v8, vd) = (fmha.quantize_fp8(t, torch.float8_e4m3fn, "head") for t in (q, k, v))
+        _, ((q8, qd), (k8, kd), (v8, vd)) = issue_inputs(D)
         for causal in (False, True):
             def call():
                 return fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=causal)

@@ -15,17 +15,15 @@ import pstats
 
 import torch
 import triton
+from fp8_bench import B, H, S, issue_inputs  # (tools/: the script's directory)
 
 import fmha
 from fmha.bench import host_ms_per_call
 
 
 def main() -> int:
-    B, H, S = 4, 16, 8192
     for D in (128, 256):
-        gen = torch.Generator(device="cuda").manual_seed(D)
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
-        (q8, qd), (k8, kd), (v8, vd) = (fmha.quantize_fp8(t, torch.float8_e4m3fn, "head") for t in (q, k, v))
+        (q, k, v), ((q8, qd), (k8, kd), (v8, vd)) = issue_inputs(D)
         for causal in (False, True):
             calls = {"bf16": lambda: fmha.attention(q, k, v, causal=causal),
                      "fp8": lambda: fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
