@@ -202,3 +202,76 @@ def test_a_varlen_plan_never_serves_other_lengths_or_a_call_the_full_path_refuse
         fmha.attention_varlen(q, k, v, torch.tensor([0, 9, 5, 14], dtype=torch.int32), cu_k, mq, mk)
     with pytest.raises(TypeError):
         fmha.attention_varlen(q, k, v, cu_q, cu_k, True, mk)  # (the key's max_seqlen_q is an int)
+
+
+# ---------------------------------------------------------------------------- float8 call plans
+
+
+def _fp8_inputs(rng, granularity="head", scale=1.0, layout="bhsd"):
+    """Quantized q, k, v (GQA 2:1, an odd key count) and their descales, with the dequantized
+    float64 bhsd tensors for the reference."""
+    from fp8_testing import quantized
+
+    shapes = ((1, 2, 9, 16), (1, 1, 13, 16), (1, 1, 13, 16))
+    if layout == "bshd":
+        shapes = tuple((b, s, h, d) for b, h, s, d in shapes)
+    return [quantized(randn(shape, torch.float32, rng) * scale, torch.float8_e4m3fn, granularity, 4, layout)
+            for shape in shapes]
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head", "block", "none"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_a_repeated_fp8_call_takes_its_plan_with_the_calls_descales(rng, monkeypatch, granularity, layout):
+    """A float8 call repeated with inputs and descales of the same metadata takes its plan
+    (api._Fp8ForwardPlan) and reads the new call's descale values: its output is the full
+    path's for the same inputs, bitwise, and within the fp8 bound of the float64 truth. (Without
+    descales: out_dtype left to its default too, the call an unplanned 16-bit plan lookup sees.)"""
+    from fp8_testing import bound, check_close
+
+    calls = _full_path_calls(monkeypatch)
+    out_dtype = None if granularity == "none" else torch.float32
+    kw = dict(causal=True, layout=layout, out_dtype=out_dtype, return_lse=True,
+              descale_block_size=4 if granularity == "block" else None)
+
+    def call(inputs):
+        (q8, qd, _), (k8, kd, _), (v8, vd, _) = inputs
+        if granularity == "none":
+            qd = kd = vd = None
+        return fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, **kw)
+
+    call(_fp8_inputs(rng, granularity if granularity != "none" else "tensor", 1.0, layout))
+    second = _fp8_inputs(rng, granularity if granularity != "none" else "tensor", 3.0, layout)  # other values
+    planned = call(second)
+    assert len(calls) == 1 and [type(p).__name__ for p in api._FORWARD_PLANS.values()] == ["_Fp8ForwardPlan"]
+    api.clear_plans()
+    full = call(second)
+    assert len(calls) == 2
+    assert all(torch.equal(a, b) for a, b in zip(planned, full, strict=True))
+    (q8, _, qf), (k8, _, kf), (v8, _, vf) = second
+    if granularity == "none":
+        qf, kf, vf = (t.double() if layout == "bhsd" else t.double().transpose(1, 2) for t in (q8, k8, v8))
+    o_ref, lse_ref, o_tol, lse_tol = bound(qf, kf, vf, out_dtype=out_dtype or torch.bfloat16, gpu=False, causal=True)
+    check_close("o", planned[0] if layout == "bhsd" else planned[0].transpose(1, 2), o_ref, o_tol)
+    check_close("lse", planned[1], lse_ref, lse_tol)
+
+
+def test_an_fp8_plan_never_serves_a_call_the_full_path_refuses(rng):
+    """After a plan exists: a descale with a bad value (CPU tensors: values are checked), one that
+    requires grad, or another shape, and float8 inputs that require grad, are refused as by
+    the full path; another out_dtype makes a plan of its own."""
+    (q8, qd, _), (k8, kd, _), (v8, vd, _) = _fp8_inputs(rng, "head")
+    for _ in range(2):
+        fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert len(api._FORWARD_PLANS) == 1
+    with pytest.raises(ValueError, match="finite and > 0"):
+        fmha.attention(q8, k8, v8, q_descale=qd, k_descale=-kd, v_descale=vd)
+    with pytest.raises(ValueError, match="finite and > 0"):
+        fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd * float("nan"))
+    with pytest.raises(NotImplementedError, match="no backward for float8"):
+        fmha.attention(q8, k8, v8, q_descale=qd.clone().requires_grad_(), k_descale=kd, v_descale=vd)
+    with pytest.raises(NotImplementedError, match="no backward for float8"):
+        fmha.attention(q8.clone().requires_grad_(), k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    with pytest.raises(ValueError, match="k_descale has shape"):
+        fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd[:, :1].expand(1, 2), v_descale=vd)
+    o = fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float16)
+    assert o.dtype == torch.float16 and len(api._FORWARD_PLANS) == 2

@@ -149,6 +149,26 @@ def test_fp8_vt_kernel_matches_the_torch_copy(rng, shape, view, key_perm):
     assert torch.equal(got.view(torch.uint8), expected)
 
 
+@pytest.mark.parametrize("granularity, causal", [("head", False), ("head", True), ("tensor", True)])
+def test_fp8_planned_calls_match_the_truth(rng, granularity, causal):
+    """Repeated fp8 calls of the same metadata take the api's fp8 call plan and the Gluon
+    launchers' plans (V^T copied by the copy's own plan, the call's descales passed, Triton's C
+    launcher directly): the second and third calls, with new inputs and descales of other
+    values, against the fp8 bound; one plan of each, made by the first call."""
+    from fmha import api
+    from fmha.kernels import fp8_vt, fwd_gluon, plan_tables
+
+    plan_tables.clear_plans()
+    for scale in (1.0, 3.0, 0.5):  # (the descales follow the inputs' scale)
+        q, k, v = (_x(shape, rng, scale) for shape in ((2, 8, 700, 128), (2, 2, 1100, 128), (2, 2, 1100, 128)))
+        run_and_check(q, k, v, granularity=granularity, causal=causal, gpu=True)
+    (planned,) = fwd_gluon._PLANS.values()
+    (vt_planned,) = fp8_vt._PLANS.values()
+    (call_plan,) = api._FORWARD_PLANS.values()
+    assert planned.plan.direct is not None and vt_planned.plan.direct is not None
+    assert call_plan.launched is planned
+
+
 def test_fp8_gluon_forward_without_descales_reads_descale_one(rng):
     """Omitted descales are 1 for every (batch, head) in the Gluon fp8 kernel: the output equals
     the one with explicit per-tensor ones. (The absent descale was a (1, 1, 1) tensor with unit

@@ -295,6 +295,71 @@ def test_forward_plan_launches_what_the_launcher_builds(monkeypatch, persistent,
     assert len(fwd_gluon._PLANS) == 2
 
 
+@pytest.mark.parametrize("descales", ["head", "tensor", "none"])
+def test_fp8_forward_plan_launches_what_the_launcher_builds(monkeypatch, descales):
+    """fwd_gluon.launch's fp8 plan, made by one call, run by the next with other tensors and
+    descales of the same metadata: the launch is alike the full launcher's for those tensors
+    (V^T is a new scratch buffer in each: compared by value), and it passes the call's descale
+    views; descales of other metadata make a plan of their own."""
+    from fmha.kernels import fwd_gluon
+
+    runs = _recorded_runs(monkeypatch)
+
+    def tensors(hq=8, hk=2, s=300, descale_shape=None):
+        q = torch.randn(2, hq, s, 128).to(torch.float8_e4m3fn)
+        k, v = (torch.randn(2, hk, s, 128).to(torch.float8_e4m3fn) for _ in range(2))
+        shape = descale_shape if descale_shape is not None else {"head": (2, hk), "tensor": (), "none": None}[descales]
+        ds = (None,) * 3 if shape is None else tuple(torch.rand(shape) + 0.5 for _ in range(3))
+        views = tuple(None if d is None else d[:, :, None] if d.dim() == 2 else d.as_strided((1, 1, 1), (0, 0, 0))
+                      for d in ds)
+        return (q, k, v, torch.empty(2, hq, s, 128, dtype=torch.bfloat16), torch.empty(2, hq, s)), views
+
+    def call(ts):
+        tensors_, views = ts
+        fwd_gluon.launch(*tensors_, causal=True, align_bottom_right=True, scale=0.125, block_m=128, block_n=256,
+                         num_stages=2, descales=views)
+        return runs[-1]
+
+    def alike_with_values(a, b) -> bool:
+        if hasattr(a, "block_shape"):
+            return _alike(a, b) and torch.equal(a.base.view(torch.uint8), b.base.view(torch.uint8))
+        return a is b if isinstance(a, torch.Tensor) and a.dim() and a.stride(0) else _alike(a, b)
+
+    launch_cache.clear_plans()
+    call(tensors())
+    second = tensors()
+    planned = call(second)
+    assert len(fwd_gluon._PLANS) == 1
+    launch_cache.clear_plans()
+    built = call(second)
+    assert planned[0] == built[0]
+    assert all(alike_with_values(a, b) for a, b in zip(planned[1], built[1], strict=True))
+    if descales == "head":  # the call's own descale views, not the first call's
+        assert sum(any(a is d for d in second[1]) for a in planned[1]) == 3
+        other = tensors(descale_shape=())  # per tensor: other strides
+        call(other)
+        call(other)
+        assert len(fwd_gluon._PLANS) == 2
+
+
+def test_fp8_vt_plan_launches_what_the_launcher_builds(monkeypatch):
+    """fp8_vt.launch_vt's plan (the V^T copy of every fp8 forward call) passes what its full path
+    builds for other tensors of the same metadata."""
+    from fmha.kernels import fp8_vt
+
+    runs = _recorded_runs(monkeypatch)
+
+    def tensors():
+        return torch.empty(2, 4, 300, 128, dtype=torch.uint8), torch.empty(2, 4, 128, 320, dtype=torch.uint8)
+
+    def call(ts):
+        fp8_vt.launch_vt(*ts, key_perm=True)
+        return runs[-1]
+
+    _check_plan(call, tensors)
+    assert len(fp8_vt._PLANS) == 1
+
+
 @pytest.mark.parametrize("warp_specialized, persistent", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("stats_aligned", [True, False])
 def test_dkdv_plan_launches_what_the_launcher_builds(monkeypatch, warp_specialized, persistent, stats_aligned):
@@ -680,6 +745,45 @@ def test_api_call_plans_launch_what_the_full_path_launches(monkeypatch, layout):
     assert len(forward_plan.backward_plans) == 1  # (the graph: _PlannedAttention, the plan's backward)
     api.clear_plans()
     _assert_alike_launches(planned, (forward(second), backward(second)))
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_fp8_call_plans_launch_what_the_full_path_launches(monkeypatch, layout):
+    """On the H200 path: an fp8 call repeated with inputs and descales of the same metadata takes
+    the api's fp8 plan and the Gluon launcher's plan, and launches what the full path launches
+    for those inputs (V^T compared by value), with the call's own descales."""
+    import fmha
+    from fmha import api
+
+    runs = _h200_path(monkeypatch)
+
+    def inputs():
+        shape = (2, 8, 256, 128) if layout == "bhsd" else (2, 256, 8, 128)
+        ts = [torch.randn(shape).to(torch.float8_e4m3fn) for _ in range(3)]
+        return ts, [torch.rand(2, 8) + 0.5 for _ in range(3)]
+
+    def forward(x):
+        (q, k, v), (qd, kd, vd) = x
+        del runs[:]
+        fmha.attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, causal=True, layout=layout)
+        return list(runs)
+
+    forward(inputs())
+    forward(inputs())
+    second = inputs()
+    planned = forward(second)
+    (plan,) = api._FORWARD_PLANS.values()
+    assert type(plan).__name__ == "_Fp8ForwardPlan" and plan.launched is not None
+    api.clear_plans()
+    full = forward(second)
+    assert len(planned) == len(full) == 1 and planned[0][0] == full[0][0]
+    for a, b in zip(planned[0][1], full[0][1], strict=True):
+        if hasattr(a, "block_shape"):
+            assert _alike(a, b) and torch.equal(a.base.view(torch.uint8), b.base.view(torch.uint8))
+        else:
+            assert _alike(a, b)
+    passed = [a for a in planned[0][1] if isinstance(a, torch.Tensor) and a.dtype == torch.float32 and a.shape[-1] == 1]
+    assert [p.data_ptr() for p in passed] == [d.data_ptr() for d in second[1]]
 
 
 def _forward_and_backward_launches(runs, call, leaves=lambda ts: ts):

@@ -33,7 +33,7 @@ D64 = [Shape(16, 16, 16, 1024, 64, "bf16", c) for c in (False, True)] + \
       [Shape(4, 32, 8, 8192, 64, "bf16", c) for c in (False, True)]
 OTHER = [Shape(16, 16, 16, 1024, 128, "bf16", False), Shape(2, 16, 16, 8192, 128, "bf16", False),
          Shape(4, 32, 8, 8192, 128, "bf16", False), Shape(16, 16, 16, 1024, 256, "bf16", False)]
-FP8 = [(4, 16, 8192, d, c) for d in (128, 256) for c in (False, True)]
+FP8 = [(4, 16, 8192, d, c) for d in (64, 128, 256) for c in (False, True)]
 
 
 SWITCH = ""

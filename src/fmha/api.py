@@ -958,6 +958,17 @@ def attention(
         if plan is not None:
             o, lse = plan.run(q, k, v)
             return (o, lse) if return_lse else o
+    elif (_plain_fp8_call(q, k, v, (bias, alibi_slopes, sinks, seed), (q_descale, k_descale, v_descale),
+                          descale_block_size, out_dtype, return_dropout_mask)
+          and _plain_scalars(layout, scale, causal, window, mask_align, sink_size, softcap, dropout_p, offset,
+                             deterministic) and _plain_eager()):
+        key = ("fp8", _meta(q), _meta(k), _meta(v), _meta(q_descale), _meta(k_descale), _meta(v_descale),
+               descale_block_size, out_dtype, layout, scale, causal, window, mask_align, sink_size, softcap, offset,
+               deterministic)
+        plan = _FORWARD_PLANS.get(key)
+        if plan is not None:
+            o, lse = plan.run(q, k, v, (q_descale, k_descale, v_descale))
+            return (o, lse) if return_lse else o
     result = _call(q, k, v, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=None,
                    cu_seqlens_k=None, seqused_k=None, max_seqlen_q=0, max_seqlen_k=0, layout=layout,
                    scale=scale, causal=causal, window=window, mask_align=mask_align,
@@ -965,8 +976,13 @@ def attention(
                    offset=offset, deterministic=deterministic, return_lse=return_lse,
                    return_dropout_mask=return_dropout_mask, q_descale=q_descale, k_descale=k_descale,
                    v_descale=v_descale, descale_block_size=descale_block_size, out_dtype=out_dtype)
-    _keep_forward_plan(key, q, k, v, (0, 0, layout, scale, causal, window, mask_align, sink_size, softcap,
-                                      dropout_p, None, offset, deterministic))
+    op_scalar_args = (0, 0, layout, scale, causal, window, mask_align, sink_size, softcap, dropout_p, None, offset,
+                      deterministic)
+    if key is not None and key[0] == "fp8":
+        keep_plan(_FORWARD_PLANS, key, _Fp8ForwardPlan(q, k, v, (q_descale, k_descale, v_descale), descale_block_size,
+                                                       out_dtype, _op_scalars(*op_scalar_args)))
+    else:
+        _keep_forward_plan(key, q, k, v, op_scalar_args)
     return result
 
 
@@ -984,10 +1000,25 @@ def _keep_forward_plan(key, q, k, v, op_scalar_args: tuple, cu_seqlens=(None, No
 
 
 def _plain_call(q, k, v, nones: tuple, return_dropout_mask) -> bool:
-    """A call a forward plan may serve: plain tensors q, k, v, every optional argument in `nones`
-    (optional tensors, float8 arguments, the seed) None, no dropout mask asked for."""
+    """A call a forward plan may serve: plain tensors q, k, v, not float8 (`_plain_fp8_call`),
+    every optional argument in `nones` (optional tensors, float8 arguments, the seed) None, no
+    dropout mask asked for."""
     return (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and all(x is None for x in nones)
-            and not return_dropout_mask)
+            and not return_dropout_mask and not F8.is_fp8(q))
+
+
+def _plain_fp8_call(q, k, v, nones: tuple, descales: tuple, descale_block_size, out_dtype,
+                    return_dropout_mask) -> bool:
+    """A float8 call an fp8 forward plan may serve: plain float8 tensors q, k, v, plain tensors or
+    None for the descales, an int or None descale_block_size, a dtype or None out_dtype, every
+    other optional argument in `nones` None, no dropout mask, and nothing that requires grad (the
+    full path refuses that)."""
+    return (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and F8.is_fp8(q)
+            and all(x is None for x in nones) and not return_dropout_mask
+            and all(d is None or type(d) is Tensor for d in descales)
+            and (descale_block_size is None or type(descale_block_size) is int)
+            and (out_dtype is None or type(out_dtype) is torch.dtype)
+            and not any(t is not None and t.requires_grad for t in (q, k, v, *descales)))
 
 
 def _plain_scalars(layout, scale, causal, window, mask_align, sink_size, softcap, dropout_p, offset,
@@ -1085,6 +1116,59 @@ class _PlannedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
         return (None, *ctx.plan.backward(grad_o, grad_lse, *ctx.saved_tensors), None, None)
+
+
+class _Fp8ForwardPlan:
+    """What a validated float8 `attention` call (descales and out_dtype given or not, no other
+    optional tensor, no dropout, nothing requiring grad) repeats for inputs and descales of the
+    same metadata and the same scalars: the problem, kernel config and launcher arguments of
+    `_fwd_fp8_op`, and the Gluon launcher's own plan once it ran. Per call: the descales' kernel
+    views (`fp8.descale_view`) and, where `fp8.check_descales` reads them (CPU tensors, debug
+    mode), their values. Shapes, dtypes and devices passed the full path's checks for the call
+    that made the plan; a call of the same key passes them alike."""
+
+    __slots__ = ("problem", "scale", "config", "kernel_args", "head_dim_v", "layout", "out_dtype",
+                 "descale_block", "runnable", "launched")
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, descales: tuple, descale_block_size: int | None,
+                 out_dtype: torch.dtype | None, scalars: tuple) -> None:
+        prep = _prepare_op(q, k, v, (None,) * 6 + scalars)
+        p = prep.problem
+        views = F8.check_descales(q, dict(zip(("q_descale", "k_descale", "v_descale"), descales, strict=True)),
+                                  batch=p.batch, nhead_q=p.nhead_q, nhead_k=p.nhead_k, seqlen_q=p.seqlen_q,
+                                  seqlen_k=p.seqlen_k, block_size=descale_block_size, varlen=False)
+        block_descale = any(d is not None and d.shape[2] > 1 for d in views.values())
+        self.problem, self.scale = p.with_(fp8_block_descale=block_descale), prep.scale
+        self.config = _plan_forward(self.problem, False).config(Family.FWD)
+        self.kernel_args = _kernel_args(prep, None, None, None, None, None, scalars[11], scalars[12])
+        self.head_dim_v, self.layout = v.shape[-1], scalars[2]
+        self.out_dtype = out_dtype or torch.bfloat16
+        self.descale_block = descale_block_size or 0
+        self.runnable = None
+        if self.config.algorithm.pipeline.is_gluon:
+            from .kernels.launch_cache import runnable  # (Triton is loaded by now: it ran this config)
+
+            self.runnable = runnable
+        self.launched = None  # the Gluon launcher's own plan (fwd_gluon.launch), once it ran
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, descales: tuple) -> tuple[Tensor, Tensor]:
+        """o (out_dtype), lse of q, k, v with these descales (None: 1)."""
+        for name, d in zip(("q_descale", "k_descale", "v_descale"), descales, strict=True):
+            F8.check_descale_values(name, d)
+        views = tuple(F8.descale_view(d) for d in descales)
+        o, o_view, lse = _alloc_like(q, self.head_dim_v, False, self.layout, dtype=self.out_dtype)
+        if not (o.numel() or lse.numel()):
+            return o, lse
+        prep = _prepared_views(self.problem, q, k, v, self.scale)
+        if self.launched is not None and self.runnable(self.launched):
+            self.launched.launch(prep.q, prep.k, prep.v, o_view, lse, *views)
+            return o, lse
+        launched = _launch_forward(prep, self.config, o_view, lse, None, self.kernel_args,
+                                   fp8_descales=dict(zip(("q_descale", "k_descale", "v_descale"), views, strict=True)),
+                                   descale_block=self.descale_block)
+        if self.runnable is not None:
+            self.launched = launched
+        return o, lse
 
 
 _FORWARD_PLANS = plan_table()  # (forgotten with the launchers' plans: plan_tables.clear_plans)

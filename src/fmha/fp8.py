@@ -172,20 +172,32 @@ def check_descales(q: Tensor, descales: dict, *, batch: int, nhead_q: int, nhead
         accepted = (f"() or (1,) per tensor, ({batch}, {' or '.join(map(str, sorted(set(heads))))}) per "
                     f"(batch, head), or ({batch}, H, ceil({what} / descale_block_size)"
                     + (f" = {nblk})" if nblk is not None else ")") + " per block")
-        if d.numel() == 1 and d.dim() <= 1:
-            views[name] = d.as_strided((1, 1, 1), (0, 0, 0))
-        elif d.dim() == 2 and d.shape[0] == batch and d.shape[1] in heads:
-            views[name] = d[:, :, None]
-        elif (d.dim() == 3 and d.shape[0] == batch and d.shape[1] in heads
-              and d.shape[2] == max(1, nblk)):
-            views[name] = d
-        else:
+        if not ((d.numel() == 1 and d.dim() <= 1)
+                or (d.dim() == 2 and d.shape[0] == batch and d.shape[1] in heads)
+                or (d.dim() == 3 and d.shape[0] == batch and d.shape[1] in heads and d.shape[2] == max(1, nblk))):
             raise ValueError(f"{name} has shape {tuple(d.shape)}; accepted: {accepted}")
-        if d.device.type == "cpu" or V.debug_enabled():
-            if d.numel() and not bool(torch.isfinite(d).all() and (d > 0).all()):
-                raise ValueError(f"{name} must be finite and > 0 everywhere; got min "
-                                 f"{float(d.min())}, max {float(d.max())}")
+        views[name] = descale_view(d)
+        check_descale_values(name, d)
     return views
+
+
+def descale_view(d: Tensor | None) -> Tensor | None:
+    """The kernel view (B or 1, H or 1, blocks) of a descale `check_descales` accepted: a per-tensor
+    one with zero strides, a per-(batch, head) one with one block."""
+    if d is None or d.dim() == 3:
+        return d
+    if d.dim() == 2:
+        return d.unsqueeze(2)  # (not d[:, :, None]: indexing costs twice as much host time)
+    return d.as_strided((1, 1, 1), (0, 0, 0))
+
+
+def check_descale_values(name: str, d: Tensor | None) -> None:
+    """A descale's values are finite and > 0: checked where reading them costs no GPU
+    synchronization (CPU tensors), or in debug mode."""
+    if d is not None and (d.device.type == "cpu" or V.debug_enabled()):
+        if d.numel() and not bool(torch.isfinite(d).all() and (d > 0).all()):
+            raise ValueError(f"{name} must be finite and > 0 everywhere; got min "
+                             f"{float(d.min())}, max {float(d.max())}")
 
 
 __all__ = ["quantize_fp8", "dequantize_fp8", "FP8_DTYPES", "P_SCALE", "is_fp8"]

@@ -51,7 +51,17 @@ def launch_vt(src, dst, *, key_perm: bool, block_s: int = BLOCK_S, block_d: int 
     """dst[b, h, :, a] = src[b, h, c(a), :] (bytes: both uint8 views), c(a) = a or, with key_perm,
     the permutation within each block of 32 keys; dst's keys past src's are zeros (key_perm: dst
     holds S rounded up to 32 keys). src (B, H, S, D) any strides; dst (B, H, D, S') with unit
-    stride along its keys."""
+    stride along its keys. A call repeats the launch plan of an earlier one of the same metadata
+    (launch_cache's plans: every argument but the two tensors is fixed by the key)."""
+    key = None
+    if launch_cache.plans_enabled(vt_kernel):
+        key = (src.shape, src.stride(), dst.shape, dst.stride(), src.data_ptr() % 16 == 0,
+               dst.data_ptr() % 16 == 0, src.get_device(), launch_cache.current_device(), key_perm, block_s,
+               block_d, num_warps)
+        planned = _PLANS.get(key)
+        if planned is not None:
+            planned.launch(src, dst)
+            return
     batch, nheads, seqlen, head_dim = src.shape
     n_keys_out = dst.shape[3]
     if dst.stride(3) != 1:
@@ -59,8 +69,13 @@ def launch_vt(src, dst, *, key_perm: bool, block_s: int = BLOCK_S, block_d: int 
     grid = (cdiv(n_keys_out, block_s) * cdiv(head_dim, block_d) * batch * nheads,)
     if grid[0] == 0:
         return
-    launch_cache.launch(vt_kernel, grid, src, dst, nheads, seqlen, head_dim, n_keys_out, *src.stride(),
-                        *dst.stride()[:3], KEY_PERM=key_perm, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=num_warps)
+    tail = (nheads, seqlen, head_dim, n_keys_out, *src.stride(), *dst.stride()[:3])
+    plan = launch_cache.make_plan(vt_kernel, grid, src, dst, *tail, KEY_PERM=key_perm, BLOCK_S=block_s,
+                                  BLOCK_D=block_d, num_warps=num_warps)
+    launch_cache.keep(_PLANS, key, plan, vt_kernel, tail)
+
+
+_PLANS = launch_cache.plan_table()
 
 
 def compile_spec(key_perm: bool) -> tuple[dict, dict, dict]:

@@ -284,7 +284,7 @@ def launch(
     fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if fp8:  # an absent descale is 1
         one = None
-        if None in (q_descale, k_descale, v_descale):
+        if any(d is None for d in (q_descale, k_descale, v_descale)):  # (not `None in`: tensor == None is slow)
             one = torch.ones((), dtype=torch.float32, device=q.device).as_strided((1, 1, 1), (0, 0, 0))
         q_descale, k_descale, v_descale = (one if d is None else d for d in (q_descale, k_descale, v_descale))
     descales = [d if d is not None else dummy for d in (q_descale, k_descale, v_descale)]

@@ -128,6 +128,18 @@ def p_through_smem(fp8: bool, varlen: bool = False) -> bool:
     return (P_SMEM_FP8 if fp8 else P_SMEM_16) and not varlen
 
 
+# Q from registers for S = Q K^T (constexpr Q_REGS, `_attend`): the fp8 kernel at D=128, whose S
+# then reads only K from shared memory (H200, 2026-12-01, attempt 98: causal +2.3-2.9%, full
+# +0.1-1.2%, outputs bitwise equal; D=64 0.99-1.00, so not there; at D=256 Q's 64 registers a
+# thread leave ptxas too few: it spills and serializes the products). A switch for A/B runs.
+FP8_Q_REGS = True
+
+
+def q_in_registers(fp8: bool, head_dim: int) -> bool:
+    """Whether `launch` and `compile_spec` build the kernel with Q_REGS."""
+    return fp8 and FP8_Q_REGS and head_dim == 128
+
+
 def default_rescale_tau(head_dim: int, persistent: bool, fp8: bool) -> float:
     """launch's RESCALE_TAU when the caller gives none. H200, 2026-11-30 (attempt 33, B=4 H=16
     S=4096 bf16, tau 8 against always rescaling): one tile a program +4-10% at every head dim;
@@ -367,7 +379,7 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
             HAS_LEFT: gl.constexpr, NEG_SCALE: gl.constexpr,
             PINGPONG: gl.constexpr, FP8: gl.constexpr, RELEASE_Q: gl.constexpr, RELEASE_V: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-            TAU: gl.constexpr, P_SMEM: gl.constexpr):
+            TAU: gl.constexpr, P_SMEM: gl.constexpr, Q_REGS: gl.constexpr = False):
     """(O unnormalized, m, l) of one warpgroup's 64 query rows over key tiles lo .. lo + n_tiles - 1.
 
     Ring position g = it + j holds key tile lo + j (`it`: ring uses before this CTA tile, 0 in the
@@ -381,7 +393,10 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
 
     P_SMEM: the softmax of S(j) stores P(j) (`_p_operand`) to this warpgroup's shared buffer
     2 * WG + j % 2 of `p_smem`, which P(j) V(j) reads; the buffer was last read by P(j-2) V(j-2),
-    complete before iteration j-1 ended."""
+    complete before iteration j-1 ended.
+
+    Q_REGS: Q is loaded once into registers (the A operand of S = Q K^T), so that each S reads
+    only K from shared memory."""
     s_layout: gl.constexpr = acc_layout(WG_ROWS, BLOCK_N, 4, 32 if FP8 else 16)
     o_layout: gl.constexpr = acc_layout(WG_ROWS, HEAD_DIM, 4, 32 if FP8 else 16)
     # P from registers: 32 bits of consecutive k per register (2 halves or 4 bytes).
@@ -396,12 +411,16 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
     l_i = gl.zeros([WG_ROWS], gl.float32, row_layout)
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
 
+    if Q_REGS:
+        q_op = q_tile.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4 if FP8 else 2))
+    else:
+        q_op = q_tile
     # Tile 0: S only (there is no P yet).
     first = it % STAGES
     mbarrier.wait(k_ready.index(first), (it // STAGES) & 1)
     if PINGPONG:
         mbarrier.wait(turn.index(WG), it & 1)
-    s = warpgroup_mma(q_tile, k_smem.index(first).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_op, k_smem.index(first).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index((WG + 1) % NUM_WG), count=1)
     s = warpgroup_mma_wait(0, deps=(s,))
@@ -420,7 +439,7 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
         mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(turn.index(WG), g & 1)
-        s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # While S(j) runs: bring O to tile j-1's running max, then O += P(j-1) V(j-1).
         if TAU > 0:
             if rescale:
@@ -520,7 +539,7 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constex
               PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              TAU: gl.constexpr, P_SMEM: gl.constexpr):
+              TAU: gl.constexpr, P_SMEM: gl.constexpr, Q_REGS: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
      seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem, window_left, cu_seqlens,
@@ -545,7 +564,8 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constex
             acc, m_i, l_i = _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                     q_empty.index(WG), p_smem, rows, row_lo, lo, n_tiles, it, seqlen_k, diag,
                                     window_left, tile_scale, WG, CAUSAL, HAS_LEFT, NEG_SCALE, PINGPONG, FP8,
-                                    O_BUF or not O_TMA, True, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM)
+                                    O_BUF or not O_TMA, True, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM,
+                                    Q_REGS)
             if O_BUF:
                 o_tile = o_smem.index(WG)
             else:
@@ -577,7 +597,7 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constex
             acc, m_i, l_i = _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_bar,
                                     p_smem, rows, row_lo, lo, n_tiles, 0, seqlen_k, diag, window_left, qk_scale, WG,
                                     CAUSAL, HAS_LEFT, NEG_SCALE, PINGPONG, FP8, False, False, BLOCK_M, BLOCK_N,
-                                    HEAD_DIM, STAGES, TAU, P_SMEM)
+                                    HEAD_DIM, STAGES, TAU, P_SMEM, Q_REGS)
             # (With O_TMA, Q is no longer read: its buffer stages O for the TMA store.)
             _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, q_tile, o_desc, o_ptr, stride_ob, stride_oh,
                       stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales, O_TMA, FP8, False,
@@ -590,9 +610,9 @@ def _consumer0(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.co
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr,
-               P_SMEM: gl.constexpr):
+               P_SMEM: gl.constexpr, Q_REGS: gl.constexpr):
     _consumer(args, 0, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM)
+              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM, Q_REGS)
 
 
 @gluon.jit
@@ -601,9 +621,9 @@ def _consumer1(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.co
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr,
-               P_SMEM: gl.constexpr):
+               P_SMEM: gl.constexpr, Q_REGS: gl.constexpr):
     _consumer(args, 1, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM)
+              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM, Q_REGS)
 
 
 @gluon.jit
@@ -612,9 +632,9 @@ def _consumer2(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.co
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr,
-               P_SMEM: gl.constexpr):
+               P_SMEM: gl.constexpr, Q_REGS: gl.constexpr):
     _consumer(args, 2, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM)
+              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM, Q_REGS)
 
 
 @gluon.jit
@@ -704,7 +724,7 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                   PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, TILE_ORDER: gl.constexpr = 2,
                   RESCALE_TAU: gl.constexpr = 0.0, HAS_LEFT: gl.constexpr = False, VARLEN: gl.constexpr = False,
-                  P_SMEM: gl.constexpr = False):
+                  P_SMEM: gl.constexpr = False, Q_REGS: gl.constexpr = False):
     """RESCALE_TAU > 0: the lazy O rescale (`_attend`; 0: O is rescaled on every key tile).
     HAS_LEFT (with CAUSAL): a sliding window (window_left, 0), key j visible to row i when
     i + diag - window_left <= j <= i + diag; the key tiles left of a CTA tile's windows are not
@@ -717,6 +737,7 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
     (`_varlen_tile`). A CTA tile's rows past its sequence's end (the next sequence's) are computed
     but not stored; its keys past the end are masked as the last tile's always are.
     P_SMEM: P V reads P from shared memory (`_attend`; fp8: keys permuted, V^T likewise).
+    Q_REGS: S = Q K^T reads Q from registers, loaded once a tile (`_attend`, `q_in_registers`).
     PERSISTENT: a grid of at most one program per SM, each running CTA tiles in turn (see
     `_my_tile`); O_BUF (with PERSISTENT and O_TMA): O is staged in its own buffer instead of
     Q's, so the next tile's Q loads while this tile's O is stored (`persistent_o_buffer`).
@@ -796,20 +817,20 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
     if NUM_WG == 3:  # FA3's 192-row tile for small head dims: a third warpgroup hides more softmax
         gl.warp_specialize([
             (_consumer0, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS)),
             (_consumer1, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS)),
             (_consumer2, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS)),
             (_producer, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer0, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS)),
             (_consumer1, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS)),
             (_producer, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -889,7 +910,9 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     masks align per sequence.
 
     Returns the launch plan this call ran or made (None: none): `Planned.launch(q, k, v, o, lse)`
-    repeats it for inputs of the same metadata and the same scalar arguments."""
+    repeats it for inputs of the same metadata and the same scalar arguments (fp8:
+    `Planned.launch(q, k, v, o, lse, q_descale, k_descale, v_descale)`, the descales as views of
+    the plan's metadata, `descale_views`; the plan copies V^T first, `_plan_args_fp8`)."""
     fp8 = q.dtype == torch.float8_e4m3fn
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -897,15 +920,19 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
                               causal=causal, align_bottom_right=align_bottom_right, scale=scale, block_m=block_m,
                               block_n=block_n, num_stages=num_stages, pingpong=pingpong, persistent=persistent,
                               descales=descales, rescale_tau=rescale_tau, window_left=window_left)
+    if fp8:
+        descales = descale_views(descales, q.device)
     key = None
-    if not fp8 and launch_cache.plans_enabled(fwd_ws_kernel):  # (fp8 transposes V and reads descales: no plan)
+    if launch_cache.plans_enabled(fwd_ws_kernel):
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
                lse.stride(), q.dtype, o.dtype, o.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0,
                q.get_device(), launch_cache.current_device(), causal, align_bottom_right, scale, block_m, block_n,
-               num_stages, pingpong, persistent, tile_order, rescale_tau, window_left)
+               num_stages, pingpong, persistent, tile_order, rescale_tau, window_left,
+               # fp8: the descales' metadata (their strides and q's head group are kernel arguments)
+               tuple((d.shape, d.stride(), d.data_ptr() % 16 == 0) for d in descales) if fp8 else None)
         planned = _PLANS.get(key)
         if planned is not None:
-            planned.launch(q, k, v, o, lse)
+            planned.launch(q, k, v, o, lse, *(descales if fp8 else ()))
             return planned
     if window_left >= 0 and not causal:
         raise ValueError(f"window_left={window_left} needs causal=True: the window is (window_left, 0)")
@@ -930,29 +957,31 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         tile_order = default_tile_order(head_dim, row_tiles)
         if persistent and causal:
             tile_order = causal_tile_order(tile_order, batch * nheads_q, row_tiles, grid[0])
+    scalars = (seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE.value))
     if fp8:
-        descales = descales or (None, None, None)
-        if None in descales:  # an absent descale is 1, for every (batch, head): zero strides
-            one = unit_descale(q.device).as_strided((1, 1, 1), (0, 0, 0))
-            descales = tuple(one if d is None else d for d in descales)
-        qd, kd, vd = descales
-        qd_group = nheads_q // qd.shape[1] if qd.shape[1] > 1 else 1
-        fp8_args = (qd, qd.stride(0), qd.stride(1), qd_group, kd, kd.stride(0), kd.stride(1),
-                    vd, vd.stride(0), vd.stride(1))
+        qd_group = nheads_q // descales[0].shape[1] if descales[0].shape[1] > 1 else 1
+        fp8_args = _fp8_args(*descales, qd_group=qd_group)
     else:
         fp8_args = (None, 0, 0, 1, None, 0, 0, None, 0, 0)
-    # (after the tensors: every argument fixed by the key)
-    tail = (seqlen_q, seqlen_k, nheads_q, nheads_q // nheads_k, diag, max(abs(scale) * LOG2E, TINY_SCALE.value),
-            *fp8_args, max(window_left, -1), None, None)  # (no cu_seqlens: not VARLEN)
+    # (after the tensors: every argument fixed by the key; fp8: the descales are the call's tensors, so
+    # a plan's tail starts after them)
+    tail = (max(window_left, -1), None, None)  # (no cu_seqlens: not VARLEN)
+    if not fp8:
+        tail = (*scalars, *fp8_args, *tail)
     plan = launch_cache.make_plan(
-        fwd_ws_kernel, grid, *_tensor_args(q, k, v, o, lse, block_n, o_tma, fp8, fp8 and p_smem), *tail,
+        fwd_ws_kernel, grid, *_tensor_args(q, k, v, o, lse, block_n, o_tma, fp8, fp8 and p_smem),
+        *((*scalars, *fp8_args) if fp8 else ()), *tail,
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=o_tma, PINGPONG=pingpong, FP8=fp8, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         PERSISTENT=persistent, O_BUF=o_buf, TILE_ORDER=tile_order if persistent and causal else 0,
-        RESCALE_TAU=tau, HAS_LEFT=window_left >= 0, VARLEN=False, P_SMEM=p_smem, num_warps=4, maxnreg=maxnreg,
+        RESCALE_TAU=tau, HAS_LEFT=window_left >= 0, VARLEN=False, P_SMEM=p_smem, Q_REGS=q_in_registers(fp8, head_dim),
+        num_warps=4, maxnreg=maxnreg,
     )
-    return launch_cache.keep(_PLANS, key, plan, fwd_ws_kernel, tail,
-                             _plan_tensors_o_tma if o_tma else _plan_tensors_no_o_tma)
+    if fp8:  # (O never by TMA: its dtype is not q's)
+        arrange = functools.partial(_plan_args_fp8, key_perm=fp8 and p_smem, scalars=scalars, qd_group=qd_group)
+    else:
+        arrange = _plan_tensors_o_tma if o_tma else _plan_tensors_no_o_tma
+    return launch_cache.keep(_PLANS, key, plan, fwd_ws_kernel, tail, arrange)
 
 
 def _launch_varlen(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
@@ -1000,7 +1029,7 @@ def _launch_varlen(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=False, PINGPONG=pingpong, FP8=False, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs, PERSISTENT=False, O_BUF=False, TILE_ORDER=0, RESCALE_TAU=tau,
-        HAS_LEFT=window_left >= 0, VARLEN=True, P_SMEM=p_through_smem(False, varlen=True), num_warps=4,
+        HAS_LEFT=window_left >= 0, VARLEN=True, P_SMEM=p_through_smem(False, varlen=True), Q_REGS=False, num_warps=4,
         maxnreg=maxnreg)
     return launch_cache.keep(_PLANS, key, plan, fwd_ws_kernel, (), arrange)
 
@@ -1024,6 +1053,31 @@ def _plan_tensors_o_tma(q, k, v, o, lse) -> tuple:
 def _plan_tensors_no_o_tma(q, k, v, o, lse) -> tuple:
     """The same without O by TMA (q's descriptor in O's unused place)."""
     return (q, k, v, q, o, *o.stride()[:3], lse, *lse.stride())
+
+
+def _plan_args_fp8(q, k, v, o, lse, qd, kd, vd, *, key_perm: bool, scalars: tuple, qd_group: int) -> tuple:
+    """An fp8 plan's leading arguments (`Planned.launch(q, k, v, o, lse, qd, kd, vd)`): V^T copied
+    from the call's V (`_transposed`) in V's descriptor place, q's in O's unused one, then the
+    scalars the key fixes and the call's descale views with their strides (`descale_views`: None
+    is 1)."""
+    qd, kd, vd = descale_views((qd, kd, vd), q.device)
+    return (q, k, _transposed(v, key_perm), q, o, *o.stride()[:3], lse, *lse.stride(), *scalars,
+            *_fp8_args(qd, kd, vd, qd_group=qd_group))
+
+
+def descale_views(descales: tuple | None, device) -> tuple:
+    """The three fp8 descale views (B or 1, H or 1, 1) of `fmha.fp8.check_descales`, an absent one
+    (None) as 1 for every (batch, head): a view with zero strides (read at any batch and head)."""
+    descales = descales or (None, None, None)
+    if any(d is None for d in descales):  # (not `None in`: a tensor's == None costs ~13 us)
+        one = unit_descale(device).as_strided((1, 1, 1), (0, 0, 0))
+        descales = tuple(one if d is None else d for d in descales)
+    return tuple(descales)
+
+
+def _fp8_args(qd, kd, vd, *, qd_group: int) -> tuple:
+    """fwd_ws_kernel's descale arguments: each view with its (batch, head) strides, q's head group."""
+    return (qd, qd.stride(0), qd.stride(1), qd_group, kd, kd.stride(0), kd.stride(1), vd, vd.stride(0), vd.stride(1))
 
 
 _PLANS = launch_cache.plan_table()
@@ -1070,7 +1124,7 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
                       O_BUF=persistent and not fp8 and persistent_o_buffer(head_dim, block_m, block_n, num_stages,
                                                                            p_smem=p_smem),
                       TILE_ORDER=tile_order if persistent and causal else 0, HAS_LEFT=window, VARLEN=varlen,
-                      P_SMEM=p_smem)
+                      P_SMEM=p_smem, Q_REGS=q_in_registers(fp8, head_dim) and not varlen)
     tau = float(default_rescale_tau(head_dim, persistent, fp8) if rescale_tau is None else rescale_tau)
     check_rescale_tau(tau, fp8)
     constexprs["RESCALE_TAU"] = tau
