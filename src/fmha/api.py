@@ -686,23 +686,31 @@ def _fwd_fp8_op(
     sink_size: int, softcap: float, dropout_p: float, seed: int, offset: int, deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     """Forward of float8 q/k/v with descales (fmha.fp8): (o in out_dtype, lse fp32). No autograd."""
-    prep = _prepare_op(q, k, v, (bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                 max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
-                                 window_right, mask_align, sink_size, softcap, dropout_p, seed,
-                                 offset, deterministic))
-    p = prep.problem
-    views = F8.check_descales(q, dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale),
-                              batch=p.batch, nhead_q=p.nhead_q, nhead_k=p.nhead_k, seqlen_q=p.seqlen_q,
-                              seqlen_k=p.seqlen_k, block_size=descale_block_size, varlen=p.varlen)
-    block_descale = any(d is not None and d.shape[2] > 1 for d in views.values())
-    prep = replace(prep, problem=p.with_(fp8_block_descale=block_descale))
+    prep, views = _prepare_fp8(q, k, v, (bias, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                         max_seqlen_q, max_seqlen_k, layout, scale, causal, window_left,
+                                         window_right, mask_align, sink_size, softcap, dropout_p, seed,
+                                         offset, deterministic),
+                               (q_descale, k_descale, v_descale), descale_block_size)
     plan = _plan_forward(prep.problem, False)
-    o, o_view, lse = _alloc_like(q, v.shape[-1], p.varlen, layout, dtype=out_dtype)
+    o, o_view, lse = _alloc_like(q, v.shape[-1], prep.problem.varlen, layout, dtype=out_dtype)
     if o.numel() or lse.numel():
         _launch_forward(prep, plan.config(Family.FWD), o_view, lse, sinks,
                         _kernel_args(prep, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, seed, offset),
                         fp8_descales=views, descale_block=descale_block_size or 0)
     return o, lse
+
+
+def _prepare_fp8(q: Tensor, k: Tensor, v: Tensor, values: tuple, descales: tuple,
+                 descale_block_size: int | None) -> tuple[_Prepared, dict]:
+    """`_prepare_op` of a float8 call, its descales checked (`fmha.fp8.check_descales`): the
+    _Prepared, its Problem marked when a descale is per block, and the descales' kernel views."""
+    prep = _prepare_op(q, k, v, values)
+    p = prep.problem
+    views = F8.check_descales(q, dict(zip(("q_descale", "k_descale", "v_descale"), descales, strict=True)),
+                              batch=p.batch, nhead_q=p.nhead_q, nhead_k=p.nhead_k, seqlen_q=p.seqlen_q,
+                              seqlen_k=p.seqlen_k, block_size=descale_block_size, varlen=p.varlen)
+    block_descale = any(d is not None and d.shape[2] > 1 for d in views.values())
+    return replace(prep, problem=p.with_(fp8_block_descale=block_descale)), views
 
 
 @_fwd_fp8_op.register_fake
@@ -1132,13 +1140,8 @@ class _Fp8ForwardPlan:
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, descales: tuple, descale_block_size: int | None,
                  out_dtype: torch.dtype | None, scalars: tuple) -> None:
-        prep = _prepare_op(q, k, v, (None,) * 6 + scalars)
-        p = prep.problem
-        views = F8.check_descales(q, dict(zip(("q_descale", "k_descale", "v_descale"), descales, strict=True)),
-                                  batch=p.batch, nhead_q=p.nhead_q, nhead_k=p.nhead_k, seqlen_q=p.seqlen_q,
-                                  seqlen_k=p.seqlen_k, block_size=descale_block_size, varlen=False)
-        block_descale = any(d is not None and d.shape[2] > 1 for d in views.values())
-        self.problem, self.scale = p.with_(fp8_block_descale=block_descale), prep.scale
+        prep, _ = _prepare_fp8(q, k, v, (None,) * 6 + scalars, descales, descale_block_size)
+        self.problem, self.scale = prep.problem, prep.scale
         self.config = _plan_forward(self.problem, False).config(Family.FWD)
         self.kernel_args = _kernel_args(prep, None, None, None, None, None, scalars[11], scalars[12])
         self.head_dim_v, self.layout = v.shape[-1], scalars[2]
