@@ -24,7 +24,16 @@ import triton
 import triton.language as tl
 
 from .common import LN2, LOG2E, dropout_keep, key_range, modify_logits, seq_bounds, visible
-from .launch_args import alibi_strides, bias_strides, cdiv, feature_flags, padded_dim, row_strides, seq_strides
+from .launch_args import (
+    alibi_strides,
+    bias_strides,
+    cdiv,
+    descale_views,
+    feature_flags,
+    padded_dim,
+    row_strides,
+    seq_strides,
+)
 
 
 @triton.jit
@@ -282,11 +291,8 @@ def launch(
     left, right = window
     grid = (cdiv(max_seqlen_q, block_m) * batch * nheads_q,)
     fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    if fp8:  # an absent descale is 1
-        one = None
-        if any(d is None for d in (q_descale, k_descale, v_descale)):  # (not `None in`: tensor == None is slow)
-            one = torch.ones((), dtype=torch.float32, device=q.device).as_strided((1, 1, 1), (0, 0, 0))
-        q_descale, k_descale, v_descale = (one if d is None else d for d in (q_descale, k_descale, v_descale))
+    if fp8:  # an absent descale is 1 (kept per device: no fill kernel a call)
+        q_descale, k_descale, v_descale = descale_views((q_descale, k_descale, v_descale), q.device)
     descales = [d if d is not None else dummy for d in (q_descale, k_descale, v_descale)]
     descale_strides = [d.stride() if d is not None else (0, 0, 0) for d in (q_descale, k_descale, v_descale)]
     block_flags = [d is not None and d.shape[2] > 1 for d in (q_descale, k_descale, v_descale)]

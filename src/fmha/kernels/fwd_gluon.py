@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import fp8_vt, launch_cache
 from .gluon_common import acc_layout, descriptor, descriptor_type, tma_aligned
-from .launch_args import cdiv, unit_descale
+from .launch_args import cdiv, descale_views
 from .persistent_schedule import causal_tile_order
 
 LOG2E = 1.4426950408889634
@@ -1063,16 +1063,6 @@ def _plan_args_fp8(q, k, v, o, lse, qd, kd, vd, *, key_perm: bool, scalars: tupl
     qd, kd, vd = descale_views((qd, kd, vd), q.device)
     return (q, k, _transposed(v, key_perm), q, o, *o.stride()[:3], lse, *lse.stride(), *scalars,
             *_fp8_args(qd, kd, vd, qd_group=qd_group))
-
-
-def descale_views(descales: tuple | None, device) -> tuple:
-    """The three fp8 descale views (B or 1, H or 1, 1) of `fmha.fp8.check_descales`, an absent one
-    (None) as 1 for every (batch, head): a view with zero strides (read at any batch and head)."""
-    descales = descales or (None, None, None)
-    if any(d is None for d in descales):  # (not `None in`: a tensor's == None costs ~13 us)
-        one = unit_descale(device).as_strided((1, 1, 1), (0, 0, 0))
-        descales = tuple(one if d is None else d for d in descales)
-    return tuple(descales)
 
 
 def _fp8_args(qd, kd, vd, *, qd_group: int) -> tuple:

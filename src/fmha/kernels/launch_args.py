@@ -63,3 +63,13 @@ def unit_descale(device) -> torch.Tensor:
         if not (one.is_cuda and torch.cuda.is_current_stream_capturing()):
             _UNIT_DESCALES[device] = one
     return one
+
+
+def descale_views(descales: tuple | None, device) -> tuple:
+    """The three fp8 descale kernel views (B or 1, H or 1, blocks) of `fmha.fp8.check_descales`, an
+    absent one (None) as 1 for every (batch, head): `unit_descale` with zero strides."""
+    descales = descales or (None, None, None)
+    if any(d is None for d in descales):  # (not `None in`: a tensor's == None costs ~13 us)
+        one = unit_descale(device).as_strided((1, 1, 1), (0, 0, 0))
+        descales = tuple(one if d is None else d for d in descales)
+    return tuple(descales)
