@@ -700,13 +700,16 @@ def _fwd_fp8_op(
     return o, lse
 
 
+_DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")  # (the order of the descales tuples below)
+
+
 def _prepare_fp8(q: Tensor, k: Tensor, v: Tensor, values: tuple, descales: tuple,
                  descale_block_size: int | None) -> tuple[_Prepared, dict]:
     """`_prepare_op` of a float8 call, its descales checked (`fmha.fp8.check_descales`): the
     _Prepared, its Problem marked when a descale is per block, and the descales' kernel views."""
     prep = _prepare_op(q, k, v, values)
     p = prep.problem
-    views = F8.check_descales(q, dict(zip(("q_descale", "k_descale", "v_descale"), descales, strict=True)),
+    views = F8.check_descales(q, dict(zip(_DESCALE_NAMES, descales, strict=True)),
                               batch=p.batch, nhead_q=p.nhead_q, nhead_k=p.nhead_k, seqlen_q=p.seqlen_q,
                               seqlen_k=p.seqlen_k, block_size=descale_block_size, varlen=p.varlen)
     block_descale = any(d is not None and d.shape[2] > 1 for d in views.values())
@@ -1156,7 +1159,7 @@ class _Fp8ForwardPlan:
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, descales: tuple) -> tuple[Tensor, Tensor]:
         """o (out_dtype), lse of q, k, v with these descales (None: 1)."""
-        for name, d in zip(("q_descale", "k_descale", "v_descale"), descales, strict=True):
+        for name, d in zip(_DESCALE_NAMES, descales, strict=True):
             F8.check_descale_values(name, d)
         views = tuple(F8.descale_view(d) for d in descales)
         o, o_view, lse = _alloc_like(q, self.head_dim_v, False, self.layout, dtype=self.out_dtype)
@@ -1167,7 +1170,7 @@ class _Fp8ForwardPlan:
             self.launched.launch(prep.q, prep.k, prep.v, o_view, lse, *views)
             return o, lse
         launched = _launch_forward(prep, self.config, o_view, lse, None, self.kernel_args,
-                                   fp8_descales=dict(zip(("q_descale", "k_descale", "v_descale"), views, strict=True)),
+                                   fp8_descales=dict(zip(_DESCALE_NAMES, views, strict=True)),
                                    descale_block=self.descale_block)
         if self.runnable is not None:
             self.launched = launched
