@@ -301,6 +301,7 @@ def test_fp8_forward_plan_launches_what_the_launcher_builds(monkeypatch, descale
     descales of the same metadata: the launch is alike the full launcher's for those tensors
     (V^T is a new scratch buffer in each: compared by value), and it passes the call's descale
     views; descales of other metadata make a plan of their own."""
+    from fmha.fp8 import descale_view
     from fmha.kernels import fwd_gluon
 
     runs = _recorded_runs(monkeypatch)
@@ -310,8 +311,7 @@ def test_fp8_forward_plan_launches_what_the_launcher_builds(monkeypatch, descale
         k, v = (torch.randn(2, hk, s, 128).to(torch.float8_e4m3fn) for _ in range(2))
         shape = descale_shape if descale_shape is not None else {"head": (2, hk), "tensor": (), "none": None}[descales]
         ds = (None,) * 3 if shape is None else tuple(torch.rand(shape) + 0.5 for _ in range(3))
-        views = tuple(None if d is None else d[:, :, None] if d.dim() == 2 else d.as_strided((1, 1, 1), (0, 0, 0))
-                      for d in ds)
+        views = tuple(descale_view(d) for d in ds)
         return (q, k, v, torch.empty(2, hq, s, 128, dtype=torch.bfloat16), torch.empty(2, hq, s)), views
 
     def call(ts):

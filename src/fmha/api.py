@@ -1010,22 +1010,25 @@ def _keep_forward_plan(key, q, k, v, op_scalar_args: tuple, cu_seqlens=(None, No
         keep_plan(_FORWARD_PLANS, key, _ForwardPlan(q, k, v, _op_scalars(*op_scalar_args), cu_seqlens))
 
 
-def _plain_call(q, k, v, nones: tuple, return_dropout_mask) -> bool:
-    """A call a forward plan may serve: plain tensors q, k, v, not float8 (`_plain_fp8_call`),
-    every optional argument in `nones` (optional tensors, float8 arguments, the seed) None, no
-    dropout mask asked for."""
+def _plain_tensors(q, k, v, nones: tuple, return_dropout_mask) -> bool:
+    """Plain tensors q, k, v, every optional argument in `nones` None, no dropout mask asked for:
+    what every call plan needs."""
     return (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and all(x is None for x in nones)
-            and not return_dropout_mask and not F8.is_fp8(q))
+            and not return_dropout_mask)
+
+
+def _plain_call(q, k, v, nones: tuple, return_dropout_mask) -> bool:
+    """A call a forward plan may serve: `_plain_tensors` (`nones`: optional tensors, float8
+    arguments, the seed), not float8 (`_plain_fp8_call`)."""
+    return _plain_tensors(q, k, v, nones, return_dropout_mask) and not F8.is_fp8(q)
 
 
 def _plain_fp8_call(q, k, v, nones: tuple, descales: tuple, descale_block_size, out_dtype,
                     return_dropout_mask) -> bool:
-    """A float8 call an fp8 forward plan may serve: plain float8 tensors q, k, v, plain tensors or
-    None for the descales, an int or None descale_block_size, a dtype or None out_dtype, every
-    other optional argument in `nones` None, no dropout mask, and nothing that requires grad (the
-    full path refuses that)."""
-    return (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and F8.is_fp8(q)
-            and all(x is None for x in nones) and not return_dropout_mask
+    """A float8 call an fp8 forward plan may serve: `_plain_tensors` of float8 q, k, v, plain tensors
+    or None for the descales, an int or None descale_block_size, a dtype or None out_dtype, and
+    nothing that requires grad (the full path refuses that)."""
+    return (_plain_tensors(q, k, v, nones, return_dropout_mask) and F8.is_fp8(q)
             and all(d is None or type(d) is Tensor for d in descales)
             and (descale_block_size is None or type(descale_block_size) is int)
             and (out_dtype is None or type(out_dtype) is torch.dtype)

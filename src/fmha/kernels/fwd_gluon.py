@@ -978,7 +978,7 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         num_warps=4, maxnreg=maxnreg,
     )
     if fp8:  # (O never by TMA: its dtype is not q's)
-        arrange = functools.partial(_plan_args_fp8, key_perm=fp8 and p_smem, scalars=scalars, qd_group=qd_group)
+        arrange = functools.partial(_plan_args_fp8, key_perm=p_smem, scalars=scalars, qd_group=qd_group)
     else:
         arrange = _plan_tensors_o_tma if o_tma else _plan_tensors_no_o_tma
     return launch_cache.keep(_PLANS, key, plan, fwd_ws_kernel, tail, arrange)
