@@ -375,6 +375,34 @@ def test_fp8_kvcache_matches_reference_on_the_dequantized_cache(paged, per_head,
     assert float(np.abs(lse.double().numpy() - rl).max()) < 1e-4
 
 
+@pytest.mark.parametrize("q_log2", [-40, 0, 20])
+def test_fp8_cache_with_bf16_queries_of_any_magnitude(q_log2):
+    """bf16 queries over a float8 cache take fp16 products (kvcache.FP8_F16_DOTS), q scaled by a
+    power of two into fp16's range and P by 2**15: queries 2**20 and 2**-40 times their size (the
+    softmax scale undoing it) give the same attention, where q turned into fp16 as it is would be
+    infinities or zeros. With sinks (the row sum's sink term carries P's factor) and splits (each
+    partial LSE drops it)."""
+    rng = _rng()
+    B, Hq, Hk, D = 2, 4, 2, 32
+    factor = 2.0 ** q_log2
+    q = (_x((B, 1, Hq, D), rng) * factor).to(torch.bfloat16)
+    kc, kd, kf = _fp8_cache(rng, (B, 40, Hk, D), E4M3, True, B)
+    vc, vd, vf = _fp8_cache(rng, (B, 40, Hk, D), E4M3, True, B)
+    seqlens = torch.tensor([23, 40], dtype=torch.int32)
+    sinks = _x((Hq,), rng)
+    scale = D ** -0.5 / factor
+    ro, rl, _, _ = reference.attention_with_kvcache(q.double().numpy(), kf.numpy(), vf.numpy(),
+                                                    cache_seqlens=seqlens.numpy(), scale=scale,
+                                                    sinks=sinks.double().numpy())
+    for num_splits in (1, 3):
+        o, lse = fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k_descale=kd, v_descale=vd,
+                                             scale=scale, sinks=sinks, num_splits=num_splits, return_lse=True)
+        assert o.dtype == torch.bfloat16
+        err_o = float(np.abs(o.double().numpy() - ro).max())
+        err_lse = float(np.abs(lse.double().numpy() - rl).max())
+        assert err_o < 1e-2 and err_lse < 1e-4, (num_splits, err_o, err_lse)  # bf16 output: 2**-9 of |o| <~ 3
+
+
 @pytest.mark.parametrize("q_dtype, kv_dtype, cvt", [("bf16", "fp8e4nv", "e4m3x2"), ("fp16", "fp8e5", "e5m2x2")])
 def test_fp8_cache_is_converted_once_without_byte_loads(q_dtype, kv_dtype, cvt):
     """Compiled for sm_90 at the float8 cache's decode tile (m16n128), the K/V tiles are copied to
@@ -410,6 +438,36 @@ def test_fp8_cache_is_converted_once_without_byte_loads(q_dtype, kv_dtype, cvt):
     assert 0 < shared["k_at_dot"]["st.shared.v4.b32"] < 0.6 * shared["load_layout"]["st.shared.v4.b32"], shared
     # the control: Triton's route reads bytes from shared memory and copies 8 bytes at a time
     assert shared["triton"]["ld.shared.b8"] > 0 and "0x8" in copies["triton"]
+
+
+def test_bf16_queries_over_a_float8_cache_take_fp16_products():
+    """Compiled for sm_90 at the float8 cache's decode tile, bf16 queries take fp16 products with
+    F16_DOTS (kvcache.FP8_F16_DOTS, what the launcher passes for them): the cache's bytes go to fp16
+    by one cvt a pair, none through fp32 as the bf16 route's do, and the kernel's PTX is a sixth shorter."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from compile_check_kvcache import compiled_with_runtime_divisibility
+
+    from fmha.kernels import kvcache
+
+    pointers = {"Q": "bf16", "K": "fp8e4nv", "V": "fp8e4nv", "O": "bf16", "LSE": "fp32", "Alibi": "fp32",
+                "Sinks": "fp32", "KDescale": "fp32", "VDescale": "fp32",
+                **dict.fromkeys(("BlockTable", "KvIndptr", "CacheBatchIdx", "SeqlensK", "CuSeqlensQ"), "i32")}
+    flags = dict.fromkeys(("HAS_CACHE_BATCH_IDX", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "HAS_SINK_TOKENS",
+                           "HAS_SOFTCAP", "HAS_ALIBI", "HAS_SINKS", "SPLIT", "TABLE_INDPTR", "PAGED",
+                           "PAGE_PER_TILE"), False)
+    ptx = {}
+    for f16 in (False, True):
+        constexprs = dict(flags, PAGE_SHIFT=-1, OFFSETS_32=True, KV_SAME_STRIDES=True, ALIGN_BOTTOM_RIGHT=True,
+                          DOT_PRECISION="ieee", BLOCK_M=16, BLOCK_N=128, BLOCK_DQK=128, BLOCK_DV=128, KV_FP8=True,
+                          FP8_ASM=True, FP8_K_AT_DOT=True, F16_DOTS=f16)
+        ptx[f16] = compiled_with_runtime_divisibility(kvcache.splitkv_kernel, pointers, {"scale", "softcap"},
+                                                      constexprs, 4, 3).asm["ptx"]
+    mma = {f16: set(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(\w+)\.", p)) for f16, p in ptx.items()}
+    assert mma == {False: {"bf16"}, True: {"f16"}}, mma
+    assert "cvt.f32.f16" in ptx[False] and "cvt.f32.f16" not in ptx[True]
+    # instructions (inline asm's lines start at column 0) before the debug sections
+    count = {f16: len(re.findall(r"^\s*[a-z][\w.]*[ \t]", p.split(".section")[0], re.M)) for f16, p in ptx.items()}
+    assert count[True] < 0.85 * count[False], count
 
 
 @pytest.mark.parametrize("rotary", [False, True])

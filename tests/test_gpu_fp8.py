@@ -4,6 +4,7 @@ Checked against the float64 truth on the dequantized inputs with the fp8 error b
 tests/fp8_testing.py (gpu=True: it includes Hopper's reduced-precision fp8 MMA sums).
 """
 
+import itertools
 import math
 
 import pytest
@@ -15,7 +16,7 @@ import fmha
 from fmha import numerics
 from fmha.api import use_dispatcher
 from fmha.fp8 import quantize_fp8
-from fmha.kernels import kvcache
+from fmha.kernels import kvcache, plan_tables
 
 from fp8_testing import quantized, run_and_check, run_and_check_varlen, stored_as
 
@@ -250,6 +251,33 @@ def test_fp8_kvcache_decode(rng, paged, dtype, seqlen_q):
             assert c.ok, f"batch {b} (seqlen {n}): {c}"
 
 
+@pytest.mark.parametrize("q_log2", [-40, 20])
+def test_fp8_cache_decode_of_bf16_queries_far_outside_fp16s_range(rng, q_log2):
+    """bf16 queries 2**20 and 2**-40 times their size (the softmax scale undoing it) over a float8
+    cache, at a serving size with the split policy's splits: as close to the float64 truth as the
+    bf16 decode of the unscaled queries over the dequantized cache (kvcache.FP8_F16_DOTS scales q by a
+    power of two into fp16's range; q itself in fp16 would be infinities or zeros)."""
+    B, Hq, Hk, D, S = 4, 32, 8, 128, 8192
+    q0 = _x((B, 1, Hq, D), rng)
+    q = (q0 * 2.0**q_log2).to(torch.bfloat16)
+    kc, kd, kf = _cache8(rng, (B, S, Hk, D), E4M3, B, False)
+    vc, vd, vf = _cache8(rng, (B, S, Hk, D), E4M3, B, False)
+    seqlens = torch.randint(S // 2, S + 1, (B,), generator=rng, dtype=torch.int32).to(CUDA)
+    scale = D**-0.5 / 2.0**q_log2
+    o, lse = fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k_descale=kd, v_descale=vd, scale=scale,
+                                         return_lse=True)
+    for b in range(B):
+        n = int(seqlens[b])
+        qb = q[b:b + 1].transpose(1, 2)
+        kb, vb = (c[b, :n].transpose(0, 1)[None] for c in (kf, vf))
+        ref_o, ref_lse = numerics.torch_attention(qb.double(), kb, vb, compute_dtype=torch.float64, scale=scale)
+        base_o, base_lse = numerics.torch_attention(q0[b:b + 1].transpose(1, 2).to(torch.bfloat16),
+                                                    kb.to(torch.bfloat16), vb.to(torch.bfloat16))
+        for c in (numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16),
+                  numerics.compare("lse", lse[b:b + 1], ref_lse, base_lse, torch.float32)):
+            assert c.ok, f"batch {b} (seqlen {n}): {c}"
+
+
 def test_fp8_kvcache_append_decode_step(rng):
     """A decode step that appends the new token into an fp8 cache, then attends to it."""
     B, Hq, Hk, D, S = 4, 16, 4, 128, 1024
@@ -307,13 +335,16 @@ def test_fp8_ptx_conversion_is_exact_for_every_code(kv_dtype, dtype, at_dot):
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("paged", [False, True])
-def test_fp8_cache_decode_equals_the_16_bit_cache_it_holds(rng, monkeypatch, kv_dtype, q_dtype, paged):
+def test_fp8_cache_decode_equals_the_16_bit_cache_it_holds(rng, monkeypatch, request, kv_dtype, q_dtype, paged):
     """A float8 cache (descales of 1) converted in the kernel (kvcache.FP8_ASM's inline PTX on the
     GPU) gives the decode over the same cache stored in q's dtype (every finite code in K and V),
     run through the float8 cache's decode config (which the registry otherwise gives float8
-    caches only): bitwise with both conversions on the load's layout (FP8_K_AT_DOT off: the
-    kernel's products are then the 16-bit cache's); with K's at the dot (the default: Triton
-    orders the logits' sums differently there) as close to the float64 truth as that decode."""
+    caches only): bitwise with both conversions on the load's layout and the products in q's
+    dtype (FP8_K_AT_DOT and FP8_F16_DOTS off: the kernel's products are then the 16-bit cache's);
+    with K's at the dot (the default: Triton orders the logits' sums differently there) or bf16
+    queries' products in fp16 (FP8_F16_DOTS, the default) as close to the float64 truth as that
+    decode."""
+    request.addfinalizer(plan_tables.clear_plans)  # (no plan made under this test's switches outlives it)
     B, Hq, Hk, D, S, page = 4, 16, 4, 128, 2048, 64
     shape = (B * S // page, page, Hk, D) if paged else (B, S, Hk, D)
     k8, v8 = _every_finite_code(kv_dtype, shape, rng), _every_finite_code(kv_dtype, shape, rng)
@@ -336,19 +367,24 @@ def test_fp8_cache_decode_equals_the_16_bit_cache_it_holds(rng, monkeypatch, kv_
         with use_dispatcher(fp8_tile):
             want = fmha.attention_with_kvcache(q, k8.to(q_dtype), v8.to(q_dtype), cache_seqlens=seqlens,
                                                block_table=table, num_splits=splits, return_lse=True)
-        for k_at_dot in (False, True):
+        # (fp16 queries take the same kernel either way: FP8_F16_DOTS is for bf16 queries)
+        f16_dots = (False, True) if q_dtype == torch.bfloat16 else (False,)
+        for k_at_dot, f16 in itertools.product((False, True), f16_dots):
             monkeypatch.setattr(kvcache, "FP8_K_AT_DOT", k_at_dot)
+            monkeypatch.setattr(kvcache, "FP8_F16_DOTS", f16)
+            plan_tables.clear_plans()  # (a call plan keeps the switches it was made with)
             got = fmha.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, block_table=table, k_descale=ones,
                                               v_descale=ones, num_splits=splits, return_lse=True)
+            same_products = not k_at_dot and not f16
             for name, g, w in zip(("o", "lse"), got, want, strict=True):
-                where = f"{name}, {splits} splits, K's conversion at the dot {k_at_dot}"
+                where = f"{name}, {splits} splits, K's conversion at the dot {k_at_dot}, fp16 products {f16}"
                 assert torch.isfinite(g).all(), f"{where}: not finite"
-                if not k_at_dot:
+                if same_products:
                     diff = (g.float() - w.float()).abs().max()
                     assert torch.equal(g, w), f"{where}: differs from the {q_dtype} cache's by up to {diff}"
-            if k_at_dot:
+            if not same_products:
                 for b, (ref_o, ref_lse) in enumerate(truth):
                     for c in (numerics.compare("o", got[0][b:b + 1].transpose(1, 2), ref_o,
                                                want[0][b:b + 1].transpose(1, 2), q_dtype),
                               numerics.compare("lse", got[1][b:b + 1], ref_lse, want[1][b:b + 1], torch.float32)):
-                        assert c.ok, f"{splits} splits, batch {b}: {c}"
+                        assert c.ok, f"{splits} splits, K at the dot {k_at_dot}, fp16 products {f16}, batch {b}: {c}"

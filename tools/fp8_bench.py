@@ -6,7 +6,7 @@ Contenders: fmha bf16, fmha fp8 e4m3 with per-(batch, head) descales (the regist
 choice: the Gluon kernel on Hopper), the Triton fp8 kernel, and with --sweep a few other
 Gluon fp8 tiles (each through a one-config registry ahead of the default one) so the
 registry's fp8 rows can be tuned from one run. Also checks the fp8 output against bf16,
-and times decode (B=32, Hq=32, Hk=8, S=8192) over a bf16 cache and over an fp8 cache.
+and times decode (B=32, Hq=32, Hk=8, S=8192; B=8, S=32768) over a bf16 cache and over an fp8 cache.
 
     PYTHONPATH=src python tools/fp8_bench.py OUT.json [--rounds 3] [--sweep] [--persistent] [--quick]
                                                       [--decode-only]
@@ -15,11 +15,13 @@ and times decode (B=32, Hq=32, Hk=8, S=8192) over a bf16 cache and over an fp8 c
 tiles in pairs under causal), which the registry does not choose for fp8; --quick: no Triton
 fp8 contender and no decode; --decode-only: the decode rows alone. The decode rows include the
 fp8 cache converted by Triton's own `.to` ("(Triton cvt)", kvcache.FP8_ASM off: attempt 56's control) and
-with K's conversion on the load's layout too ("(K on load layout)", kvcache.FP8_K_AT_DOT off: attempt 58's).
+with K's conversion on the load's layout too ("(K on load layout)", kvcache.FP8_K_AT_DOT off: attempt 58's),
+and with the products in bf16 ("(bf16 products)", kvcache.FP8_F16_DOTS off: attempt 104's control).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -29,7 +31,7 @@ import triton
 
 import fmha
 from fmha.configs import Algorithm, Family, KernelConfig, Pipeline, Signature
-from fmha.kernels import kvcache
+from fmha.kernels import kvcache, plan_tables
 from fmha.problem import DType
 from fmha.registry import _gluon_config
 
@@ -144,9 +146,14 @@ def main() -> int:
 
 
 def decode(rounds: int) -> list[dict]:
-    """Decode (one query token) over a bf16 cache and over an fp8 e4m3 cache: K+V bytes/s."""
+    """Decode (one query token) over a bf16 cache and over an fp8 e4m3 cache: K+V bytes/s, at
+    B=32 S=8192 and B=8 S=32768."""
+    return [row for B, S in ((32, 8192), (8, 32768)) for row in decode_shape(rounds, B, S)]
+
+
+def decode_shape(rounds: int, B: int, S: int) -> list[dict]:
     rows = []
-    B, Hq, Hk, S, D = 32, 32, 8, 8192, 128
+    Hq, Hk, D = 32, 8, 128
     q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
     kc, vc = (torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     kd, vd = (c.float().abs().amax(dim=(1, 3)) / 448 for c in (kc, vc))
@@ -156,38 +163,48 @@ def decode(rounds: int) -> list[dict]:
     def fp8_decode():
         return fmha.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
 
-    def fp8_decode_with(**switches):  # kvcache's module switches for one call
-        def run():
-            saved = {name: getattr(kvcache, name) for name in switches}
-            for name, value in switches.items():
+    @contextlib.contextmanager
+    def switched(switches):  # kvcache's module switches; a plan keeps the switches it was made
+        saved = {name: getattr(kvcache, name) for name in switches}  # with: forgotten around them
+        for name, value in switches.items():
+            setattr(kvcache, name, value)
+        plan_tables.clear_plans()
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
                 setattr(kvcache, name, value)
-            try:
-                return fp8_decode()
-            finally:
-                for name, value in saved.items():
-                    setattr(kvcache, name, value)
-        return run
+            plan_tables.clear_plans()
 
-    fp8_decode_triton_cvt = fp8_decode_with(FP8_ASM=False)
+    def bf16_decode():
+        return fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
 
-    runs = {"decode bf16 cache": (lambda: fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens), 2),
-            "decode fp8 cache": (fp8_decode, 1),
-            "decode fp8 cache (K on load layout)": (fp8_decode_with(FP8_K_AT_DOT=False), 1),
-            "decode fp8 cache (Triton cvt)": (fp8_decode_triton_cvt, 1)}
+    # name: (call, bytes an element, kvcache switches)
+    runs = {"decode bf16 cache": (bf16_decode, 2, {}),
+            "decode fp8 cache": (fp8_decode, 1, {}),
+            "decode fp8 cache (bf16 products)": (fp8_decode, 1, dict(FP8_F16_DOTS=False)),
+            "decode fp8 cache (K on load layout)": (fp8_decode, 1, dict(FP8_K_AT_DOT=False)),
+            "decode fp8 cache (Triton cvt)": (fp8_decode, 1, dict(FP8_ASM=False))}
     times: dict[str, list[float]] = {}
+    outputs = {}
     for _ in range(rounds):
-        for name, (fn, _) in runs.items():
-            times.setdefault(name, []).append(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        for name, (fn, _, switches) in runs.items():
+            with switched(switches):
+                times.setdefault(name, []).append(triton.testing.do_bench(fn, warmup=25, rep=100,
+                                                                          return_mode="median"))
+                outputs[name] = fn()
     bf16_ms = sorted(times["decode bf16 cache"])[rounds // 2]
-    diff = float((runs["decode fp8 cache"][0]().float() - runs["decode bf16 cache"][0]().float()).abs().max())
-    print("fp8 cache: inline-PTX and Triton conversions give equal outputs:",
-          torch.equal(fp8_decode(), fp8_decode_triton_cvt()))
-    for name, (_, elem) in runs.items():
+    diff = float((outputs["decode fp8 cache"].float() - outputs["decode bf16 cache"].float()).abs().max())
+    ptx_vs_triton = (outputs["decode fp8 cache"].float() - outputs["decode fp8 cache (Triton cvt)"].float()).abs()
+    print(f"B={B} S={S} fp8 cache: max |difference| between the inline-PTX and Triton conversions' outputs "
+          f"{float(ptx_vs_triton.max()):.3g} (the products' sums in another order; the tests bound each against "
+          "the float64 truth)")
+    for name, (_, elem, _) in runs.items():
         ms = sorted(times[name])[rounds // 2]
         tbs = 2 * B * S * Hk * D * elem / ms / 1e9
         rows.append(dict(B=B, Hq=Hq, Hk=Hk, S=S, D=D, contender=name, ms=ms, kv_tb_per_s=tbs,
                          speedup_vs_bf16=bf16_ms / ms, times_ms=times[name], max_abs_diff_fp8_vs_bf16=diff))
-        print(f"{name:<36} {ms * 1e3:8.1f} us {tbs:6.2f} TB/s of K+V  x{bf16_ms / ms:.2f} vs bf16 cache")
+        print(f"B={B} S={S} {name:<36} {ms * 1e3:8.1f} us {tbs:6.2f} TB/s of K+V  x{bf16_ms / ms:.2f} vs bf16 cache")
     return rows
 
 
