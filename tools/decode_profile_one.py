@@ -7,7 +7,8 @@ cudnn), to compare their DRAM traffic after a written flush (docs/performance.md
         --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
         python tools/decode_profile_one.py [--backend cudnn] [--seqlen 8192 --batch 32] [--flush read]
 
---flush read: the fill only reads the buffer (L2 left clean).
+--flush read: the fill only reads the buffer (L2 left clean). --fp8-cache: fmha's cache in float8 e4m3
+with per-(batch, KV head) descales (bf16 queries).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--backend", choices=("fmha", "cudnn"), default="fmha")
     p.add_argument("--flush", choices=("write", "read"), default="write")
+    p.add_argument("--fp8-cache", action="store_true")
     a = p.parse_args()
-    shape = DecodeShape(a.batch, 32, 8, a.seqlen, 128, page_size=a.page_size)
+    shape = DecodeShape(a.batch, 32, 8, a.seqlen, 128, page_size=a.page_size, fp8_cache=a.fp8_cache)
     fmha_args, sdpa_args = _inputs(shape, "cuda")
     call = _call(a.backend, fmha_args, sdpa_args)
     flush = l2_fill(a.flush)
