@@ -245,5 +245,12 @@ def test_explain_kvcache_says_what_the_call_would_launch_and_why(rng, monkeypatc
     assert "fwd_splitkv_fp16-bf16_d1-128_cuda_triton_m16n128w4s3  (heuristic: first fit" in text
     assert "m16n64w4s3: fits, passed over by the default selection: float8 KV cache" in text
     assert "key splits: 1 (the split policy's, SplitPolicy(" in text
-    assert "m16n64w4s3  (heuristic" in fmha.explain_kvcache(q, cache.to(torch.bfloat16), cache.to(torch.bfloat16),
-                                                            cache_seqlens=seqlens)
+    cache16 = cache.to(torch.bfloat16)
+    text16 = fmha.explain_kvcache(q, cache16, cache16, cache_seqlens=seqlens)
+    assert "m16n64w4s3  (heuristic" in text16
+    # the products' dtype of a float8 cache: fp16 for bf16 queries (scaled), q's own for fp16 ones
+    assert ("float8 cache: converted to torch.float16 for the products (exact); bf16 queries scaled by a power "
+            "of two" in text)
+    text_fp16 = fmha.explain_kvcache(q.half(), cache, cache, cache_seqlens=seqlens)
+    assert "float8 cache: converted to torch.float16 for the products (exact)\n" in text_fp16
+    assert "float8 cache" not in text16

@@ -494,9 +494,14 @@ def explain_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, **kwargs) -> st
     splits = _decode_plan(dispatcher, call.problem, append=append, num_splits=forced,
                           sm_count=_sm_count(q.device)).splits
     how = f"num_splits={forced}" if forced else f"the split policy's, {dispatcher.split_policy}"
-    return "\n".join([dispatcher.plan_kvcache(call.problem, append=append, num_splits=splits).describe(),
-                      f"key splits: {splits} ({how})", "",
-                      dispatcher.explain(call.problem, Family.FWD_SPLITKV)])
+    lines = [dispatcher.plan_kvcache(call.problem, append=append, num_splits=splits).describe(),
+             f"key splits: {splits} ({how})"]
+    if call.problem.kv_fp8:
+        products = family_module("kvcache", interpreted=q.device.type == "cpu").products_dtype(q.dtype, True)
+        lines.append(f"float8 cache: converted to {products} for the products (exact)" + (
+            "; bf16 queries scaled by a power of two into fp16's range per program, P by 2**15"
+            " (kernels.kvcache.FP8_F16_DOTS)" if products != q.dtype else ""))
+    return "\n".join([*lines, "", dispatcher.explain(call.problem, Family.FWD_SPLITKV)])
 
 
 # ----------------------------------------------------------------------------------------

@@ -625,12 +625,18 @@ _ATTENTION_PLANS = launch_cache.plan_table()
 _COMBINE_PLANS = launch_cache.plan_table()
 
 
+def products_dtype(q_dtype: torch.dtype, kv_fp8: bool) -> torch.dtype:
+    """The dtype of splitkv_kernel's products: fp16 for bf16 queries over a float8 cache
+    (FP8_F16_DOTS), else q's."""
+    return torch.float16 if kv_fp8 and FP8_F16_DOTS and q_dtype == torch.bfloat16 else q_dtype
+
+
 def _fp8_flags(k_cache, q_dtype) -> dict:
     """The float8 constexprs of splitkv_kernel (given explicitly, so that launch_cache keeps the
     launch; the interpreter runs no PTX: CPU tensors take Triton's conversion)."""
     fp8 = k_cache.element_size() == 1
     return dict(KV_FP8=fp8, FP8_ASM=fp8 and FP8_ASM and k_cache.is_cuda, FP8_K_AT_DOT=fp8 and FP8_K_AT_DOT,
-                F16_DOTS=fp8 and FP8_F16_DOTS and q_dtype == torch.bfloat16)
+                F16_DOTS=products_dtype(q_dtype, fp8) != q_dtype)
 
 
 def _descale_strides(k_cache, descale) -> tuple[int, int]:
