@@ -440,6 +440,33 @@ def test_fp8_cache_is_converted_once_without_byte_loads(q_dtype, kv_dtype, cvt):
     assert shared["triton"]["ld.shared.b8"] > 0 and "0x8" in copies["triton"]
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_fp8_cache_batch_prefill_mixes_decode_and_prefill_chunks(num_splits):
+    """Chunked prefill over a paged float8 cache (bf16 queries, so fp16 products): sequence 0
+    decodes, 1 prefills a chunk after cached tokens, 2 has no queries, 3 prefills from scratch;
+    causal bottom-right per sequence, GQA 4:2, per-tensor descales; against the float64 reference
+    on the dequantized cache."""
+    rng = _rng()
+    q_lens, cached, page, Hq, Hk, D = [1, 9, 0, 20], [30, 5, 4, 0], 8, 4, 2, 32
+    lengths = [c + n for c, n in zip(cached, q_lens, strict=True)]
+    pages_per_seq = -(-max(lengths) // page)
+    num_pages = 4 * pages_per_seq + 1
+    kc, kd, kf = _fp8_cache(rng, (num_pages, page, Hk, D), E4M3, False, 4)
+    vc, vd, vf = _fp8_cache(rng, (num_pages, page, Hk, D), E4M3, False, 4)
+    table = torch.randperm(num_pages, generator=rng)[:4 * pages_per_seq].reshape(4, pages_per_seq).int()
+    q = _x((sum(q_lens), Hq, D), rng).to(torch.bfloat16)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    o, lse = fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, cu_seqlens_q=cu,
+                                         max_seqlen_q=max(q_lens), k_descale=kd, v_descale=vd, causal=True,
+                                         num_splits=num_splits, return_lse=True)
+    ro, rl, _, _ = reference.batch_prefill_with_kvcache(q.double().numpy(), kf.numpy(), vf.numpy(), cu.numpy(),
+                                                        cache_seqlens=seqlens.numpy(), block_table=table.numpy(),
+                                                        causal=True)
+    assert float(np.abs(o.double().numpy() - ro).max()) < 1e-2  # bf16 outputs of |o| < 3
+    assert float(np.abs(lse.double().numpy() - rl).max()) < 1e-4
+
+
 def test_bf16_queries_over_a_float8_cache_take_fp16_products():
     """Compiled for sm_90 at the float8 cache's decode tile, bf16 queries take fp16 products with
     F16_DOTS (kvcache.FP8_F16_DOTS, what the launcher passes for them): the cache's bytes go to fp16

@@ -278,6 +278,45 @@ def test_fp8_cache_decode_of_bf16_queries_far_outside_fp16s_range(rng, q_log2):
             assert c.ok, f"batch {b} (seqlen {n}): {c}"
 
 
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_fp8_cache_batch_prefill_mixed_with_decode(rng, q_dtype):
+    """Chunked prefill over a paged float8 cache at serving sizes: 8 decode rows and two prefill
+    chunks (512 queries after 3000 cached keys, 1024 from scratch) in one packed call, Hq=32 Hk=8
+    D=128, pages of 16, per-KV-head descales; causal bottom-right per sequence, against the float64
+    truth on the dequantized cache, each sequence as close as the same attention in q's dtype."""
+    Hq, Hk, D, page = 32, 8, 128, 16
+    q_lens = [1] * 8 + [512, 1024]
+    lengths = torch.randint(100, 6000, (8,), generator=rng).tolist() + [3512, 1024]
+    B = len(q_lens)
+    pages = [-(-n // page) for n in lengths]
+    pool = sum(pages) + 7
+    kc, kd, kf = _cache8(rng, (pool, page, Hk, D), E4M3, B, True)
+    vc, vd, vf = _cache8(rng, (pool, page, Hk, D), E4M3, B, True)
+    ids = torch.randperm(pool, generator=rng)
+    table = torch.zeros((B, max(pages)), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = ids[start:start + n]
+        start += n
+    table = table.to(CUDA)
+    q = _x((sum(q_lens), Hq, D), rng).to(q_dtype)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=CUDA)
+    o, lse = fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor(lengths, dtype=torch.int32,
+                                                                                device=CUDA),
+                                         block_table=table, cu_seqlens_q=cu, max_seqlen_q=max(q_lens), k_descale=kd,
+                                         v_descale=vd, causal=True, return_lse=True)
+    for b in range(B):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        kb, vb = (c[table[b, :pages[b]].long()].reshape(-1, Hk, D)[:lengths[b]].transpose(0, 1)[None]
+                  for c in (kf, vf))
+        qb = q[rows].transpose(0, 1)[None]
+        ref_o, ref_lse = numerics.torch_attention(qb, kb, vb, compute_dtype=torch.float64, causal=True)
+        base_o, base_lse = numerics.torch_attention(qb, kb.to(q_dtype), vb.to(q_dtype), causal=True)
+        for c in (numerics.compare("o", o[rows].transpose(0, 1)[None], ref_o, base_o, q_dtype),
+                  numerics.compare("lse", lse[:, rows][None], ref_lse, base_lse, torch.float32)):
+            assert c.ok, f"sequence {b} ({q_lens[b]} queries, {lengths[b]} keys): {c}"
+
+
 def test_fp8_kvcache_append_decode_step(rng):
     """A decode step that appends the new token into an fp8 cache, then attends to it."""
     B, Hq, Hk, D, S = 4, 16, 4, 128, 1024
