@@ -497,6 +497,33 @@ def test_bf16_queries_over_a_float8_cache_take_fp16_products():
     assert count[True] < 0.85 * count[False], count
 
 
+@pytest.mark.parametrize("q_dtype, cache", [("bf16", "fp8e4nv"), ("fp16", "fp8e5")])
+@pytest.mark.parametrize("split", [True, False])
+def test_gluon_fp8_decode_copies_16_bytes_and_feeds_the_products_from_registers(q_dtype, cache, split):
+    """The Gluon fp8 decode (kernels/kvcache_gluon.py) compiled for sm_90 at the registry's tile (32
+    keys, 3 stages, one warp): K and V reach shared memory by 16-byte cp.async only (2 x 16 a tile,
+    two tiles ahead), each lane reads its bytes back by 16-byte shared loads straight into the mma
+    operands (fp16 m16n8k16: 32 for S, 32 for P V a tile), and nothing else is stored to shared
+    memory but q's one conversion: no 16-bit copy of V."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from fmha.kernels import kvcache_gluon
+
+    signature, constexprs, options = kvcache_gluon.compile_spec(q_dtype, 32, 3, cache=cache, split=split)
+    pointers = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
+    ptx = triton.compile(GluonASTSource(kvcache_gluon.decode_fp8_kernel, signature, constexprs, pointers),
+                         target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    copies = re.findall(r"cp\.async\.cg\.shared\.global(?:\.L2::\w+)? \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+|\d+)", ptx)
+    assert len(copies) == 3 * 16 and set(copies) <= {"0x10", "16"}, copies  # 2 tiles ahead + 1 in the loop
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", ptx)) == 64
+    shared = collections.Counter(re.findall(r"\b((?:ld|st)\.shared(?:\.v\d)?\.[bu]\d+)", ptx))
+    assert shared["ld.shared.v4.b32"] >= 16, shared  # K's 8 and V's 8 a tile
+    assert sum(n for op, n in shared.items() if op.startswith("st.")) <= 8, shared  # q's conversion alone
+    assert not re.search(r"ld\.global(?:\.\w+)*\.(?:b8|u8)\b", ptx)
+
+
 @pytest.mark.parametrize("rotary", [False, True])
 def test_fp8_kvcache_append_rounds_new_tokens_into_the_cache(rotary):
     rng = _rng()

@@ -317,6 +317,88 @@ def test_fp8_cache_batch_prefill_mixed_with_decode(rng, q_dtype):
             assert c.ok, f"sequence {b} ({q_lens[b]} queries, {lengths[b]} keys): {c}"
 
 
+def _gluon_decode_chosen(q, kc, vc, **kw) -> bool:
+    """Whether the registry's choice for this decode call is the Gluon fp8 decode."""
+    return "_sm90_gluon_" in fmha.explain_kvcache(q, kc, vc, **kw).splitlines()[1]
+
+
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(32, 8), (16, 1), (8, 8)])
+def test_gluon_fp8_decode_matches_the_truth(rng, kv_dtype, q_dtype, heads):
+    """The one-warp Gluon decode (kernels/kvcache_gluon.py, the registry's choice for one query token
+    over a contiguous float8 cache at D=128): lengths 0, 1, 31, 33 and up to the capacity, GQA groups
+    of 4, 16 and 1, per-(batch, KV head) and per-tensor descales, the split policy's count and 1 and 3
+    splits; each sequence as close to the float64 truth as the same decode in q's dtype."""
+    Hq, Hk = heads
+    B, D, S = 6, 128, 5000
+    q = _x((B, 1, Hq, D), rng).to(q_dtype)
+    kc, kd, kf = _cache8(rng, (B, S, Hk, D), kv_dtype, B, False)
+    vc, vd, vf = _cache8(rng, (B, S, Hk, D), kv_dtype, B, False)
+    seqlens = torch.tensor([0, 1, 31, 33, 4321, S], dtype=torch.int32, device=CUDA)
+    for descales in ("per head", "per tensor"):
+        if descales == "per tensor":  # one value: the cache re-read with the largest descale
+            kd, vd = kd.max(), vd.max()
+            kf, vf = kc.double() * kd.double(), vc.double() * vd.double()
+        for splits in (0, 1, 3):
+            kw = dict(cache_seqlens=seqlens, k_descale=kd, v_descale=vd, num_splits=splits)
+            assert _gluon_decode_chosen(q, kc, vc, **kw)
+            o, lse = fmha.attention_with_kvcache(q, kc, vc, return_lse=True, **kw)
+            assert torch.equal(o[0], torch.zeros_like(o[0])) and bool((lse[0] == float("-inf")).all())
+            for b in range(1, B):
+                n = int(seqlens[b])
+                kb, vb = (c[b, :n].transpose(0, 1)[None] for c in (kf, vf))
+                qb = q[b:b + 1].transpose(1, 2)
+                ref_o, ref_lse = numerics.torch_attention(qb, kb, vb, compute_dtype=torch.float64)
+                base_o, base_lse = numerics.torch_attention(qb, kb.to(q_dtype), vb.to(q_dtype))
+                for c in (numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, q_dtype),
+                          numerics.compare("lse", lse[b:b + 1], ref_lse, base_lse, torch.float32)):
+                    assert c.ok, f"{descales} descales, {splits} splits, batch {b} (seqlen {n}): {c}"
+
+
+def test_gluon_fp8_decode_reads_cache_rows_by_cache_batch_idx(rng):
+    """cache_batch_idx picks each sequence's cache row: equal to the decode over those rows copied out."""
+    B, Hq, Hk, D, S = 4, 32, 8, 128, 3000
+    q = _x((B, 1, Hq, D), rng).to(torch.bfloat16)
+    kc, _, _ = _cache8(rng, (7, S, Hk, D), E4M3, 7, False)
+    vc, _, _ = _cache8(rng, (7, S, Hk, D), E4M3, 7, False)
+    rows = torch.tensor([5, 0, 6, 2], dtype=torch.int32, device=CUDA)
+    seqlens = torch.tensor([100, 2999, 1, 1777], dtype=torch.int32, device=CUDA)
+    assert _gluon_decode_chosen(q, kc, vc, cache_seqlens=seqlens, cache_batch_idx=rows)
+    got = fmha.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, cache_batch_idx=rows)
+    want = fmha.attention_with_kvcache(q, kc[rows.long()].contiguous(), vc[rows.long()].contiguous(),
+                                       cache_seqlens=seqlens)
+    assert torch.equal(got, want)
+
+
+def test_gluon_fp8_decode_call_plans_and_cuda_graph(rng):
+    """Repeated decode steps take the call plan (the Gluon launcher keeps one too) and replay in a
+    CUDA graph with new queries and lengths written in place: each equal to an eager call."""
+    B, Hq, Hk, D, S = 8, 32, 8, 128, 8192
+    q = _x((B, 1, Hq, D), rng).to(torch.bfloat16)
+    kc, kd, _ = _cache8(rng, (B, S, Hk, D), E4M3, B, False)
+    vc, vd, _ = _cache8(rng, (B, S, Hk, D), E4M3, B, False)
+    seqlens = torch.randint(1, S + 1, (B,), generator=rng, dtype=torch.int32).to(CUDA)
+    kw = dict(cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
+    assert _gluon_decode_chosen(q, kc, vc, **kw)
+    first = fmha.attention_with_kvcache(q, kc, vc, **kw)
+    assert torch.equal(fmha.attention_with_kvcache(q, kc, vc, **kw), first)  # (the call plan)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fmha.attention_with_kvcache(q, kc, vc, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fmha.attention_with_kvcache(q, kc, vc, **kw)
+    for _ in range(3):
+        q.copy_(_x((B, 1, Hq, D), rng).to(torch.bfloat16))
+        seqlens.copy_(torch.randint(1, S + 1, (B,), generator=rng, dtype=torch.int32).to(CUDA))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fmha.attention_with_kvcache(q, kc, vc, **kw))
+
+
 def test_fp8_kvcache_append_decode_step(rng):
     """A decode step that appends the new token into an fp8 cache, then attends to it."""
     B, Hq, Hk, D, S = 4, 16, 4, 128, 1024
@@ -377,9 +459,10 @@ def test_fp8_ptx_conversion_is_exact_for_every_code(kv_dtype, dtype, at_dot):
 def test_fp8_cache_decode_equals_the_16_bit_cache_it_holds(rng, monkeypatch, request, kv_dtype, q_dtype, paged):
     """A float8 cache (descales of 1) converted in the kernel (kvcache.FP8_ASM's inline PTX on the
     GPU) gives the decode over the same cache stored in q's dtype (every finite code in K and V),
-    run through the float8 cache's decode config (which the registry otherwise gives float8
-    caches only): bitwise with both conversions on the load's layout and the products in q's
-    dtype (FP8_K_AT_DOT and FP8_F16_DOTS off: the kernel's products are then the 16-bit cache's);
+    run through the Triton kernel's float8 cache decode config (which the registry otherwise gives
+    float8 caches only; contiguous ones take the Gluon decode, tested below): bitwise with both
+    conversions on the load's layout and the products in q's dtype (FP8_K_AT_DOT and FP8_F16_DOTS
+    off: the kernel's products are then the 16-bit cache's);
     with K's at the dot (the default: Triton orders the logits' sums differently there) or bf16
     queries' products in fp16 (FP8_F16_DOTS, the default) as close to the float64 truth as that
     decode."""
@@ -391,11 +474,14 @@ def test_fp8_cache_decode_equals_the_16_bit_cache_it_holds(rng, monkeypatch, req
     table = torch.randperm(shape[0], generator=rng).reshape(B, -1).int().to(CUDA) if paged else None
     seqlens = torch.randint(1, S + 1, (B,), generator=rng, dtype=torch.int32).to(CUDA)
     ones = torch.ones((B, Hk), dtype=torch.float32, device=CUDA)
-    config, _ = fmha.get_dispatcher().select(fmha.Problem(
+    # (the Triton kernel's routes: the registry without the Gluon decode, which would take the
+    # contiguous float8 cache and not the 16-bit one)
+    triton = fmha.Registry([c for c in fmha.default_registry() if not c.algorithm.pipeline.is_gluon], name="triton")
+    config, _ = fmha.Dispatcher(triton).select(fmha.Problem(
         batch=B, nhead_q=Hq, nhead_k=Hk, seqlen_q=1, seqlen_k=S, head_dim_qk=D, head_dim_v=D,
         dtype=fmha.DType.BF16, layout="bshd", arch="sm90", seqused_k=True, paged_kv=paged, kv_fp8=True),
         fmha.Family.FWD_SPLITKV)
-    fp8_tile = fmha.Dispatcher(fmha.Registry([config]).merged(fmha.default_registry(), name="fp8 tile"))
+    fp8_tile = fmha.Dispatcher(fmha.Registry([config]).merged(triton, name="fp8 tile"))
     truth = []  # float64, per sequence: (o (1, Hq, 1, D), lse (1, Hq, 1))
     for b in range(B):
         n = int(seqlens[b])
@@ -412,8 +498,9 @@ def test_fp8_cache_decode_equals_the_16_bit_cache_it_holds(rng, monkeypatch, req
             monkeypatch.setattr(kvcache, "FP8_K_AT_DOT", k_at_dot)
             monkeypatch.setattr(kvcache, "FP8_F16_DOTS", f16)
             plan_tables.clear_plans()  # (a call plan keeps the switches it was made with)
-            got = fmha.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, block_table=table, k_descale=ones,
-                                              v_descale=ones, num_splits=splits, return_lse=True)
+            with use_dispatcher(fp8_tile):
+                got = fmha.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, block_table=table,
+                                                  k_descale=ones, v_descale=ones, num_splits=splits, return_lse=True)
             same_products = not k_at_dot and not f16
             for name, g, w in zip(("o", "lse"), got, want, strict=True):
                 where = f"{name}, {splits} splits, K's conversion at the dot {k_at_dot}, fp16 products {f16}"

@@ -7,6 +7,7 @@ import torch
 import fmha
 from fmha import reference
 from fmha.numerics import max_abs_error
+from fmha.problem import MaskAlign
 
 from attn_testing import randn
 
@@ -191,8 +192,9 @@ def test_sink_tokens_reach_queries_that_the_causal_window_hides(rng):
 
 def test_a_float8_cache_takes_its_own_decode_tile(rng, monkeypatch):
     """attention_with_kvcache marks a float8 cache in the Problem (feature fp8_kv_cache); on sm90
-    the default selection passes over the 64-key decode tile for it (measured slower, attempt 57)
-    and takes the 128-key one, while a 16-bit cache keeps the 64-key tile."""
+    a contiguous float8 cache at D=128 takes the Gluon decode (attempt 106), a paged one the Triton
+    kernel, whose 64-key tile the default selection passes over for float8 caches (measured
+    slower, attempt 57) for the 128-key one, while a 16-bit cache keeps the 64-key tile."""
     import fmha.kvcache as api_kvcache
     from fmha.api import get_dispatcher
     from fmha.configs import Family
@@ -209,13 +211,58 @@ def test_a_float8_cache_takes_its_own_decode_tile(rng, monkeypatch):
     assert [p.kv_fp8 for p in seen] == [True, False]
     assert Feature.FP8_KV_CACHE in seen[0].features and Feature.FP8_KV_CACHE not in seen[1].features
     dispatcher = get_dispatcher()
-    for kv_fp8, block_n in ((True, 128), (False, 64)):
-        problem = seen[0].with_(arch="sm90", head_dim_qk=128, head_dim_v=128, seqlen_k=8192, kv_fp8=kv_fp8)
+    for kv_fp8, paged, block_n, warps in ((True, False, 32, 1), (True, True, 128, 4), (False, False, 64, 4)):
+        problem = seen[0].with_(arch="sm90", head_dim_qk=128, head_dim_v=128, seqlen_k=8192, kv_fp8=kv_fp8,
+                                paged_kv=paged)
         config, why = dispatcher.select(problem, Family.FWD_SPLITKV)
-        assert (config.algorithm.block_m, config.algorithm.block_n) == (16, block_n), config.name
-        assert ("1 passed over before it" in why) is kv_fp8, why
+        a = config.algorithm
+        assert (a.block_m, a.block_n, a.num_warps) == (16, block_n, warps), config.name
+        assert a.pipeline.is_gluon is (kv_fp8 and not paged), config.name
+        assert ("1 passed over before it" in why) is (kv_fp8 and paged), why
     assert "float8 KV cache: measured slower there than the next config" in dispatcher.explain(
         seen[0].with_(arch="sm90"), Family.FWD_SPLITKV)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(paged_kv=True), "features not supported: ['paged_kv']"),
+    (dict(seqlen_q=2), "one query token a sequence (decode) only, got seqlen_q=2"),
+    (dict(varlen=True), "(packed varlen queries)"),
+    (dict(kv_fp8=False), "a float8 KV cache only"),
+    (dict(nhead_q=64, nhead_k=2), "32 query heads per KV head: at most 16"),
+    (dict(head_dim_qk=64, head_dim_v=64), "head dims (qk 64, v 64) are not equal and one of [128]"),
+    (dict(causal=True, mask_align=MaskAlign.TOP_LEFT), "causal aligned top-left"),
+    (dict(window=(100, 0)), "only causal masks"),
+    (dict(alibi=True), "features not supported: ['alibi']"),
+    (dict(sinks=True), "features not supported: ['sinks']"),
+    (dict(softcap=5.0), "features not supported: ['softcap']"),
+    (dict(tma_aligned=False), "not 16-byte aligned"),
+    (dict(arch="sm80"), "arch sm80 not in ['sm90']"),
+])
+def test_the_gluon_fp8_decode_serves_plain_decode_steps_and_explain_says_why_not(change, reason):
+    """The registry's Gluon decode (kernels/kvcache_gluon.py) takes one query token over a contiguous
+    float8 cache at D=128 on sm90 (causal aligned bottom-right masks nothing there), split so that
+    about four one-warp programs run an SM (its config's programs_per_sm); the rest goes to the
+    Triton kernel, and explain names the reason."""
+    from fmha.api import get_dispatcher
+    from fmha.configs import Family
+    from fmha.problem import DType, Problem
+
+    base = Problem(batch=32, nhead_q=32, nhead_k=8, seqlen_q=1, seqlen_k=8192, head_dim_qk=128, head_dim_v=128,
+                   dtype=DType.BF16, layout="bshd", arch="sm90", seqused_k=True, kv_fp8=True)
+    dispatcher = get_dispatcher()
+    for problem in (base, base.with_(causal=True), base.with_(dtype=DType.FP16)):
+        config, _ = dispatcher.select(problem, Family.FWD_SPLITKV)
+        assert config.algorithm.pipeline.is_gluon and config.algorithm.programs_per_sm == 4, config.name
+    a = dispatcher.select(base, Family.FWD_SPLITKV)[0].algorithm
+    # B=32 8k: 256 programs -> 2 splits (512); B=8 32k: 64 -> 8; 2048 programs: no split
+    assert [dispatcher.num_splits(p, 132, a.block_m, a.block_n, a.programs_per_sm) for p in
+            (base, base.with_(batch=8, seqlen_k=32768), base.with_(batch=256))] == [2, 8, 1]
+    assert dispatcher.num_splits(base, 132, a.block_m, a.block_n) == 1  # (the policy's own 2 an SM)
+    problem = base.with_(**change)
+    config, _ = dispatcher.select(problem, Family.FWD_SPLITKV)
+    assert not config.algorithm.pipeline.is_gluon, config.name
+    line = next(line for line in dispatcher.explain(problem, Family.FWD_SPLITKV).splitlines() if "_gluon_" in line)
+    assert "refused" in line and reason in line, line
 
 
 def test_explain_kvcache_says_what_the_call_would_launch_and_why(rng, monkeypatch):
@@ -250,7 +297,7 @@ def test_explain_kvcache_says_what_the_call_would_launch_and_why(rng, monkeypatc
     assert "m16n64w4s3  (heuristic" in text16
     # the products' dtype of a float8 cache: fp16 for bf16 queries (scaled), q's own for fp16 ones
     assert ("float8 cache: converted to torch.float16 for the products (exact); bf16 queries scaled by a power "
-            "of two" in text)
+            "of two into fp16's range per program, P by 2**15 (kernels.kvcache)" in text)
     text_fp16 = fmha.explain_kvcache(q.half(), cache, cache, cache_seqlens=seqlens)
     assert "float8 cache: converted to torch.float16 for the products (exact)\n" in text_fp16
     assert "float8 cache" not in text16

@@ -16,7 +16,9 @@ tiles in pairs under causal), which the registry does not choose for fp8; --quic
 fp8 contender and no decode; --decode-only: the decode rows alone. The decode rows include the
 fp8 cache converted by Triton's own `.to` ("(Triton cvt)", kvcache.FP8_ASM off: attempt 56's control) and
 with K's conversion on the load's layout too ("(K on load layout)", kvcache.FP8_K_AT_DOT off: attempt 58's),
-and with the products in bf16 ("(bf16 products)", kvcache.FP8_F16_DOTS off: attempt 104's control).
+and with the products in bf16 ("(bf16 products)", kvcache.FP8_F16_DOTS off: attempt 104's control); the
+registry's fp8 decode is the Gluon one (attempt 106) where it applies, these switches are the Triton kernel's
+("Triton ..." rows: the registry without the Gluon decode).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import triton
 
 import fmha
+from fmha.api import use_dispatcher
 from fmha.configs import Algorithm, Family, KernelConfig, Pipeline, Signature
 from fmha.kernels import kvcache, plan_tables
 from fmha.problem import DType
@@ -163,14 +166,24 @@ def decode_shape(rounds: int, B: int, S: int) -> list[dict]:
     def fp8_decode():
         return fmha.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
 
+    triton_only = fmha.Dispatcher(fmha.Registry(
+        [c for c in fmha.default_registry() if not (c.family == Family.FWD_SPLITKV and c.algorithm.pipeline.is_gluon)],
+        name="triton decode"))
+
     @contextlib.contextmanager
-    def switched(switches):  # kvcache's module switches; a plan keeps the switches it was made
-        saved = {name: getattr(kvcache, name) for name in switches}  # with: forgotten around them
+    def switched(switches):  # kvcache's module switches ("triton": the registry without the Gluon decode);
+        switches = dict(switches)  # a plan keeps the switches it was made with: forgotten around them
+        triton = switches.pop("triton", False)
+        saved = {name: getattr(kvcache, name) for name in switches}
         for name, value in switches.items():
             setattr(kvcache, name, value)
         plan_tables.clear_plans()
         try:
-            yield
+            if triton:
+                with use_dispatcher(triton_only):
+                    yield
+            else:
+                yield
         finally:
             for name, value in saved.items():
                 setattr(kvcache, name, value)
@@ -182,9 +195,10 @@ def decode_shape(rounds: int, B: int, S: int) -> list[dict]:
     # name: (call, bytes an element, kvcache switches)
     runs = {"decode bf16 cache": (bf16_decode, 2, {}),
             "decode fp8 cache": (fp8_decode, 1, {}),
-            "decode fp8 cache (bf16 products)": (fp8_decode, 1, dict(FP8_F16_DOTS=False)),
-            "decode fp8 cache (K on load layout)": (fp8_decode, 1, dict(FP8_K_AT_DOT=False)),
-            "decode fp8 cache (Triton cvt)": (fp8_decode, 1, dict(FP8_ASM=False))}
+            "decode fp8 cache (Triton kernel)": (fp8_decode, 1, dict(triton=True)),
+            "decode fp8 cache (Triton, bf16 products)": (fp8_decode, 1, dict(triton=True, FP8_F16_DOTS=False)),
+            "decode fp8 cache (Triton, K on load layout)": (fp8_decode, 1, dict(triton=True, FP8_K_AT_DOT=False)),
+            "decode fp8 cache (Triton cvt)": (fp8_decode, 1, dict(triton=True, FP8_ASM=False))}
     times: dict[str, list[float]] = {}
     outputs = {}
     for _ in range(rounds):
@@ -195,10 +209,10 @@ def decode_shape(rounds: int, B: int, S: int) -> list[dict]:
                 outputs[name] = fn()
     bf16_ms = sorted(times["decode bf16 cache"])[rounds // 2]
     diff = float((outputs["decode fp8 cache"].float() - outputs["decode bf16 cache"].float()).abs().max())
-    ptx_vs_triton = (outputs["decode fp8 cache"].float() - outputs["decode fp8 cache (Triton cvt)"].float()).abs()
-    print(f"B={B} S={S} fp8 cache: max |difference| between the inline-PTX and Triton conversions' outputs "
-          f"{float(ptx_vs_triton.max()):.3g} (the products' sums in another order; the tests bound each against "
-          "the float64 truth)")
+    for other in ("decode fp8 cache (Triton kernel)", "decode fp8 cache (Triton cvt)"):
+        diff_other = (outputs["decode fp8 cache"].float() - outputs[other].float()).abs()
+        print(f"B={B} S={S} fp8 cache: max |difference| from {other!r}: {float(diff_other.max()):.3g} (the sums in "
+              "another order; the tests bound each against the float64 truth)")
     for name, (_, elem, _) in runs.items():
         ms = sorted(times[name])[rounds // 2]
         tbs = 2 * B * S * Hk * D * elem / ms / 1e9

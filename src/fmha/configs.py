@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
-from .problem import DType, Feature, Problem
+from .problem import DType, Feature, MaskAlign, Problem
 
 
 class Family(str, Enum):
@@ -90,6 +90,10 @@ class Signature:
     # True: the default selection passes over this config for float8 KV caches (measured slower
     # there than the next fitting config; a speed preference as max_unmasked_seqlen_k).
     slower_for_fp8_cache: bool = False
+    # True: a decode kernel over float8 KV caches only (kernels/kvcache_gluon.py): one query token a
+    # sequence, at most 16 query heads per KV head, causal only aligned bottom-right (at one query
+    # that masks nothing).
+    fp8_decode: bool = False
 
     def refusals(self, problem: Problem) -> list[str]:
         reasons = []
@@ -121,6 +125,16 @@ class Signature:
                                f"(a TMA descriptor needs a non-empty tensor)")
         if not self.fp8_block_descale and problem.fp8_block_descale:
             reasons.append("fp8 descales per block: this kernel takes one per tensor or per (batch, head)")
+        if self.fp8_decode:
+            if not problem.kv_fp8:
+                reasons.append("a float8 KV cache only")
+            if problem.seqlen_q != 1 or problem.varlen:
+                reasons.append(f"one query token a sequence (decode) only, got seqlen_q={problem.seqlen_q}"
+                               + (" (packed varlen queries)" if problem.varlen else ""))
+            if problem.nhead_q > 16 * problem.nhead_k:
+                reasons.append(f"{problem.nhead_q // max(problem.nhead_k, 1)} query heads per KV head: at most 16")
+            if problem.causal and problem.mask_align != MaskAlign.BOTTOM_RIGHT:
+                reasons.append("causal aligned top-left (at one query it hides every key but the first)")
         return reasons
 
     def passed_over(self, problem: Problem) -> str:
@@ -149,6 +163,9 @@ class Algorithm:
     pipeline: Pipeline = Pipeline.TRITON
     dot_precision: str = "ieee"  # for fp32 inputs: "ieee" (exact fp32) or "tf32"
     persistent: bool = False
+    # KV-cache attention: programs of this kernel an SM runs at once, for the split policy (0: the
+    # policy's own programs_per_sm)
+    programs_per_sm: int = 0
 
 
 @dataclass(frozen=True)
@@ -235,6 +252,8 @@ def _rule_violations(config: KernelConfig) -> list[str]:
         rules.append(f"algorithm.dot_precision={a.dot_precision!r} must be 'ieee' or 'tf32'")
     if a.dot_precision == "tf32" and DType.FP32 not in s.dtypes:
         rules.append("algorithm.dot_precision='tf32' applies to fp32 inputs only; the dtypes have no fp32")
+    if a.programs_per_sm < 0:
+        rules.append(f"algorithm.programs_per_sm={a.programs_per_sm} must be >= 0")
     rules += _gluon_rule_violations(s, a)
     # KV-cache configs with VARLEN serve batch prefill (packed queries against the cache).
     served = KVCACHE_FEATURES | {Feature.VARLEN} if s.family in KVCACHE_FAMILIES else DENSE_FEATURES
@@ -287,6 +306,14 @@ def _gluon_rule_violations(s: Signature, a: Algorithm) -> list[str]:
             rules.append(f"pipeline {a.pipeline.value}: the Gluon dK/dV kernel runs 64 queries against 64 keys "
                          f"on 4 or 8 warps or 128 keys on 8 (block_m 64, block_n/num_warps 64/4, 64/8 or 128/8, "
                          f"pipeline gluon or, at 128 keys, gluon_ws)")
+    elif s.family == Family.FWD_SPLITKV:
+        if not (s.fp8_decode and s.head_dims == (128,) and (a.block_m, a.num_warps) == (16, 1)
+                and a.block_n in (16, 32) and 2 <= a.num_stages <= 4 and a.pipeline == Pipeline.GLUON):
+            rules.append(f"pipeline {a.pipeline.value}: the Gluon decode kernel serves float8 caches at head dim 128 "
+                         f"(signature fp8_decode, head_dims (128,)) with one warp a 16-row tile of 16 or 32 keys and "
+                         f"2-4 stages (block_m 16, num_warps 1, pipeline gluon), got head_dims {list(s.head_dims)} "
+                         f"fp8_decode={s.fp8_decode} block_m={a.block_m} block_n={a.block_n} num_warps={a.num_warps} "
+                         f"stages={a.num_stages} pipeline {a.pipeline.value}")
     else:
         rules.append(f"pipeline {a.pipeline.value}: no Gluon kernel for family {s.family.value}")
     return rules

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from .configs import Family, KernelConfig
@@ -179,13 +179,18 @@ class Dispatcher:
             families.append(Family.SPLITKV_COMBINE)
         return self._plan(problem, families)
 
-    def num_splits(self, problem: Problem, sm_count: int, block_m: int, block_n: int) -> int:
+    def num_splits(self, problem: Problem, sm_count: int, block_m: int, block_n: int, programs_per_sm: int = 0) -> int:
         """Split-KV count for a KV-cache problem by `self.split_policy`. Programs are
         batch x KV heads x packed query tiles (the query heads of one KV head share a tile);
-        seqlen_k is the problem's (a capacity or an estimate: lengths stay on the device)."""
+        seqlen_k is the problem's (a capacity or an estimate: lengths stay on the device).
+        programs_per_sm: the kernel's (its config's `Algorithm.programs_per_sm`) instead of the
+        policy's, when > 0."""
         group = problem.nhead_q // problem.nhead_k
         programs = problem.batch * problem.nhead_k * -(-(problem.seqlen_q * group) // block_m)
-        return _cached_splits(self.split_policy, programs, -(-problem.seqlen_k // block_n), sm_count)
+        policy = self.split_policy
+        if programs_per_sm and programs_per_sm != policy.programs_per_sm:
+            policy = replace(policy, programs_per_sm=programs_per_sm)
+        return _cached_splits(policy, programs, -(-problem.seqlen_k // block_n), sm_count)
 
     def _plan(self, problem: Problem, families: Sequence[Family]) -> Plan:
         launches = []

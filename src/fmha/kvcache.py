@@ -34,6 +34,7 @@ from . import validation as V
 from .api import _algorithm_args, _arch_of, _device_guard, _meta, _plain_eager, get_dispatcher
 from .configs import Family
 from .dispatcher import Dispatcher
+from .kernels.gluon_common import tma_aligned
 from .kernels.launch_args import unit_descale
 from .kernels.loader import family_module
 from .kernels.plan_tables import keep_plan, plan_table
@@ -200,6 +201,7 @@ class _DecodePlan:
     attention: dict  # split-KV kernel: tile, warps, stages, dot precision
     append: dict | None  # append kernel, when new k/v are given
     combine: dict | None  # combine kernel, with splits > 1
+    attention_module: str = "kvcache"  # the split-KV kernel's module: kvcache, or kvcache_gluon (pipeline gluon)
 
 
 # Decode steps repeat a few shapes, and the dispatcher's answer for one (registry scans, a
@@ -247,13 +249,15 @@ def _make_decode_plan(dispatcher: Dispatcher, problem: Problem, *, append: bool,
                       sm_count: int) -> _DecodePlan:
     attn_config, _ = dispatcher.select(problem, Family.FWD_SPLITKV)
     algorithm = attn_config.algorithm
-    splits = num_splits or dispatcher.num_splits(problem, sm_count, algorithm.block_m, algorithm.block_n)
+    splits = num_splits or dispatcher.num_splits(problem, sm_count, algorithm.block_m, algorithm.block_n,
+                                                 algorithm.programs_per_sm)
     plan = dispatcher.plan_kvcache(problem, append=append, num_splits=splits)
     return _DecodePlan(
         splits=splits,
         attention=dict(_algorithm_args(attn_config), dot_precision=algorithm.dot_precision),
         append=_algorithm_args(plan.config(Family.APPEND_KV)) if append else None,
         combine=_algorithm_args(plan.config(Family.SPLITKV_COMBINE)) if splits > 1 else None,
+        attention_module="kvcache_gluon" if algorithm.pipeline.is_gluon else "kvcache",
     )
 
 
@@ -330,6 +334,8 @@ def _checked_call(q, k_cache, v_cache, *, k, v, cache_seqlens, block_table, cach
         arch=_arch(q.device), causal=causal, window=(left, right), mask_align=align,
         sink_size=sink_size, alibi=alibi_slopes is not None, softcap=float(softcap),
         sinks=sinks is not None, varlen=qs.varlen, seqused_k=True, paged_kv=paged, kv_fp8=kv_fp8,
+        # (16-byte aligned cache rows: what the Gluon fp8 decode's 16-byte copies need)
+        tma_aligned=not kv_fp8 or tma_aligned(k_cache, v_cache),
     )
     return _Call(qs, cache, problem, (left, right), align, rotary, kd2, vd2)
 
@@ -458,14 +464,18 @@ def attention_with_kvcache(
                     **plan.attention,
                     **(dict(k_descale=kd2, v_descale=vd2) if kv_fp8 else {}))
         combined = None
+        # (the split-KV kernel: Triton's, or the Gluon fp8 decode where the registry chose it)
+        attention = kernels if plan.attention_module == "kvcache" else family_module(plan.attention_module,
+                                                                                      interpreted=False)
         if splits == 1:
-            attended = kernels.launch_attention(q, k_cache, v_cache, o, lse, num_splits=1, **attn)
+            attended = attention.launch_attention(q, k_cache, v_cache, o, lse, num_splits=1, **attn)
         else:
             # partial results (splits, B, Hq, Sq, Dv) [varlen: (splits, Hq, total_q, Dv)]
             part_rows = (nhead_q, q.shape[0]) if qs.varlen else (batch, nhead_q, seqlen_q)
             o_parts = torch.empty((splits, *part_rows, head_dim_v), dtype=torch.float32, device=q.device)
             lse_parts = torch.empty((splits, *part_rows), dtype=torch.float32, device=q.device)
-            attended = kernels.launch_attention(q, k_cache, v_cache, o_parts, lse_parts, num_splits=splits, **attn)
+            attended = attention.launch_attention(q, k_cache, v_cache, o_parts, lse_parts, num_splits=splits,
+                                                  **attn)
             # the combine reads rows (b * Hq + h) * Sq + i; varlen is one batch of total_q rows
             o4, lse3 = (o[None], lse[None]) if qs.varlen else (o, lse)
             combined = kernels.launch_combine(o_parts.view(splits, -1, head_dim_v), lse_parts.view(splits, -1),
@@ -491,16 +501,18 @@ def explain_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, **kwargs) -> st
     call = _checked_call(q, k_cache, v_cache, **named)
     dispatcher = get_dispatcher()
     append, forced = named["k"] is not None, named["num_splits"]
-    splits = _decode_plan(dispatcher, call.problem, append=append, num_splits=forced,
-                          sm_count=_sm_count(q.device)).splits
+    decode = _decode_plan(dispatcher, call.problem, append=append, num_splits=forced, sm_count=_sm_count(q.device))
+    splits = decode.splits
     how = f"num_splits={forced}" if forced else f"the split policy's, {dispatcher.split_policy}"
     lines = [dispatcher.plan_kvcache(call.problem, append=append, num_splits=splits).describe(),
              f"key splits: {splits} ({how})"]
     if call.problem.kv_fp8:
-        products = family_module("kvcache", interpreted=q.device.type == "cpu").products_dtype(q.dtype, True)
+        module = family_module(decode.attention_module, interpreted=q.device.type == "cpu"
+                               and decode.attention_module == "kvcache")
+        products = module.products_dtype(q.dtype, True)
         lines.append(f"float8 cache: converted to {products} for the products (exact)" + (
-            "; bf16 queries scaled by a power of two into fp16's range per program, P by 2**15"
-            " (kernels.kvcache.FP8_F16_DOTS)" if products != q.dtype else ""))
+            f"; bf16 queries scaled by a power of two into fp16's range per program, P by 2**15"
+            f" (kernels.{decode.attention_module})" if products != q.dtype else ""))
     return "\n".join([*lines, "", dispatcher.explain(call.problem, Family.FWD_SPLITKV)])
 
 

@@ -379,10 +379,20 @@ def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob
     them, window: a sliding window (left, 0), and varlen: packed causal sequences): the forward
     (kernels/fwd_gluon.py) or the dK/dV backward with dQ added into an fp32 buffer
     (kernels/bwd_gluon.py)."""
-    from .kernels import bwd_gluon, fp8_vt, fwd_gluon
+    from .kernels import bwd_gluon, fp8_vt, fwd_gluon, kvcache_gluon
     from .kernels.persistent_schedule import PAIRS
 
     a = config.algorithm
+    if config.family == Family.FWD_SPLITKV:  # the fp8 decode: partial outputs (split) or final, e4m3/e5m2 caches
+        jobs = []
+        for cache in ("fp8e4nv", "fp8e5"):
+            for split in (True, False):
+                signature, constexprs, options = kvcache_gluon.compile_spec(TRITON_TYPES[dtype], a.block_n,
+                                                                            a.num_stages, cache=cache, split=split)
+                jobs.append((f"{'e4m3' if cache == 'fp8e4nv' else 'e5m2'}_{'split' if split else 'final'}",
+                             CompileJob(kvcache_gluon.__name__, "decode_fp8_kernel", tuple(signature.items()),
+                                        tuple(constexprs.items()), options["num_warps"], 1, "gluon")))
+        return jobs
     head_dim = config.signature.head_dim_max
     variants = ["plain", "causal"] if Feature.MASK in config.signature.features else ["plain"]
     # The persistent causal forward's tile order for short problems, where it differs from the
