@@ -258,6 +258,18 @@ def test_the_gluon_fp8_decode_serves_plain_decode_steps_and_explain_says_why_not
     assert [dispatcher.num_splits(p, 132, a.block_m, a.block_n, a.programs_per_sm) for p in
             (base, base.with_(batch=8, seqlen_k=32768), base.with_(batch=256))] == [2, 8, 1]
     assert dispatcher.num_splits(base, 132, a.block_m, a.block_n) == 1  # (the policy's own 2 an SM)
+    import fmha.kvcache as api_kvcache
+
+    q8 = torch.zeros((32, 1, 32, 128), dtype=torch.bfloat16)
+    cache = torch.zeros((32, 1024, 8, 128), dtype=torch.float8_e4m3fn)
+    seqlens = torch.full((32,), 1024, dtype=torch.int32)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(api_kvcache, "_arch", lambda device: "sm90")
+        m.setattr(api_kvcache, "_sm_count", lambda device: 132)
+        text = fmha.explain_kvcache(q8, cache, cache, cache_seqlens=seqlens)
+    assert "_sm90_gluon_m16n32w1s3" in text.splitlines()[1], text
+    assert "key splits: 2 (the split policy's, SplitPolicy(" in text and "counting this kernel's 4 programs an SM" in text
+    assert "(kernels.kvcache_gluon)" in text
     problem = base.with_(**change)
     config, _ = dispatcher.select(problem, Family.FWD_SPLITKV)
     assert not config.algorithm.pipeline.is_gluon, config.name

@@ -503,9 +503,11 @@ def explain_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, **kwargs) -> st
     append, forced = named["k"] is not None, named["num_splits"]
     decode = _decode_plan(dispatcher, call.problem, append=append, num_splits=forced, sm_count=_sm_count(q.device))
     splits = decode.splits
-    how = f"num_splits={forced}" if forced else f"the split policy's, {dispatcher.split_policy}"
-    lines = [dispatcher.plan_kvcache(call.problem, append=append, num_splits=splits).describe(),
-             f"key splits: {splits} ({how})"]
+    plan = dispatcher.plan_kvcache(call.problem, append=append, num_splits=splits)
+    per_sm = plan.config(Family.FWD_SPLITKV).algorithm.programs_per_sm
+    how = f"num_splits={forced}" if forced else f"the split policy's, {dispatcher.split_policy}" + (
+        f", counting this kernel's {per_sm} programs an SM" if per_sm else "")
+    lines = [plan.describe(), f"key splits: {splits} ({how})"]
     if call.problem.kv_fp8:
         module = family_module(decode.attention_module, interpreted=q.device.type == "cpu"
                                and decode.attention_module == "kvcache")
