@@ -13,7 +13,7 @@ with their launchers' host work: descriptors, kernel specs, `launch_cache` keys;
 Decode: `fmha.attention_with_kvcache` at the decode bench's 32k shape (B=8 Hq=32 Hk=8
 D=128 bf16, Sq=1, pages of 64), through a block table and through FlashInfer/SGLang tables,
 with the split count picked (num_splits=0) and forced, and a float8 cache with per-(batch, KV
-head) descales (block table); launchers stubbed whole (they return
+head) descales (block table; and contiguous: the Gluon decode on the H200 path); launchers stubbed whole (they return
 no launch plan, so every call takes the full path), then ("H200 path" lines) the real launchers
 with only the final launch stubbed (repeated calls take the decode call plan,
 `kvcache._DecodeCallPlan`).
@@ -181,6 +181,13 @@ def decode_cases(h200: bool = False) -> dict:
         name = f"attention_with_kvcache fp8 cache block_table num_splits={splits}" + (" (H200 path)" if h200 else "")
         cases[name] = (lambda s=splits: fmha.attention_with_kvcache(q, pool8, pool8, **block, **descales,
                                                                      num_splits=s))
+    # a contiguous float8 cache (its own storage: 16-byte aligned rows), on the H200 path the Gluon decode
+    cache8 = torch.empty(q.shape[0], block["block_table"].shape[1] * pool.shape[1], *pool.shape[2:],
+                         dtype=torch.float8_e4m3fn)
+    for splits in (0, 1):
+        name = f"attention_with_kvcache fp8 cache contiguous num_splits={splits}" + (" (H200 path)" if h200 else "")
+        cases[name] = (lambda s=splits: fmha.attention_with_kvcache(
+            q, cache8, cache8, cache_seqlens=block["cache_seqlens"], **descales, num_splits=s))
     return cases
 
 
