@@ -268,7 +268,8 @@ def test_the_gluon_fp8_decode_serves_plain_decode_steps_and_explain_says_why_not
         m.setattr(api_kvcache, "_sm_count", lambda device: 132)
         text = fmha.explain_kvcache(q8, cache, cache, cache_seqlens=seqlens)
     assert "_sm90_gluon_m16n32w1s3" in text.splitlines()[1], text
-    assert "key splits: 2 (the split policy's, SplitPolicy(" in text and "counting this kernel's 4 programs an SM" in text
+    assert "key splits: 2 (the split policy's, SplitPolicy(" in text
+    assert "counting this kernel's 4 programs an SM" in text
     assert "(kernels.kvcache_gluon)" in text
     problem = base.with_(**change)
     config, _ = dispatcher.select(problem, Family.FWD_SPLITKV)
