@@ -11,8 +11,8 @@ dimension may be permuted:
   m16n8k16 B fragment (rows 2q, 2q + 1, 2q + 8, 2q + 9 of each 16-row k-step) the 32 contiguous
   bytes D = 32q .. 32q + 31 of a key over the 8 k-steps: two 16-byte shared loads.
 - O = P V: V's rows are keys (its reduction dimension, the strided one in memory), its columns
-  O's. Column c of the product is D = 16 * (c % 8) + c // 8 (`_pv_d`), so that lane n of an
-  n-tile's fragment (column n = lane / 4) holds D = 16n .. 16n + 15 across the 16 n-tiles: one
+  O's. Column c of the product is D = 16 * (c % 8) + c // 8 (`d_out` at the store), so that lane
+  n of an n-tile's fragment (column n = lane / 4) holds D = 16n .. 16n + 15 across the 16 n-tiles: one
   16-byte load a key; the bytes of keys 2q, 2q + 1 (+ 8, + 16) are paired by PRMT into the
   fragment's registers. O's columns go back in the same order at the store.
 
