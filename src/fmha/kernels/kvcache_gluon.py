@@ -53,23 +53,17 @@ def _mma_layout():
 
 
 @gluon.constexpr_function
-def _k_tile_layout(block_n):
-    """[keys, D] of a K tile as lanes read it: lane (key k % 8, q) holds D = 32q .. 32q + 31 of
-    keys k % 8 + 8i (the registers: D first, then the keys' upper bits)."""
-    keys = [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]] + keys,
-                                      lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
-                                      warp_bases=[], block_bases=[], shape=[block_n, HEAD_DIM])
-
-
-@gluon.constexpr_function
-def _v_tile_layout(block_n):
-    """[keys, D] of a V tile as lanes read it: lane (q, n) holds D = 16n .. 16n + 15 of keys
-    2q, 2q + 1 (+ 8i)."""
-    keys = [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0]] + keys,
-                                      lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]],
-                                      warp_bases=[], block_bases=[], shape=[block_n, HEAD_DIM])
+def _tile_layout(block_n, for_v):
+    """[keys, D] of a K or V tile as lanes read it, each lane's registers along D first, then the
+    keys' bits from 8 up. K: lane (key k % 8, q) holds D = 32q .. 32q + 31 of keys k % 8 + 8i.
+    V (for_v): lane (q, n) holds D = 16n .. 16n + 15 of keys 2q, 2q + 1 (+ 8i)."""
+    if for_v:
+        regs, lanes = [[0, 1], [0, 2], [0, 4], [0, 8], [1, 0]], [[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]]
+    else:
+        regs, lanes = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], [[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]]
+    upper_keys = [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs + upper_keys, lane_bases=lanes, warp_bases=[], block_bases=[],
+                                      shape=[block_n, HEAD_DIM])
 
 
 @gluon.jit
@@ -102,8 +96,8 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
     mma: gl.constexpr = _mma_layout()
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    k_layout: gl.constexpr = _k_tile_layout(BLOCK_N)
-    v_layout: gl.constexpr = _v_tile_layout(BLOCK_N)
+    k_layout: gl.constexpr = _tile_layout(BLOCK_N, False)
+    v_layout: gl.constexpr = _tile_layout(BLOCK_N, True)
     q_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
     ring_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
     pid = gl.program_id(0)
