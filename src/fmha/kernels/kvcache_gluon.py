@@ -92,7 +92,7 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
                       stride_kdb, stride_kdh, stride_vdb, stride_vdh,
                       nheads_k, num_splits, scale,
                       GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BF16: gl.constexpr,
-                      SPLIT: gl.constexpr, HAS_CACHE_BATCH_IDX: gl.constexpr):
+                      HAS_CACHE_BATCH_IDX: gl.constexpr):
     mma: gl.constexpr = _mma_layout()
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -204,7 +204,7 @@ def compile_spec(dtype: str, block_n: int, num_stages: int, *, cache: str = "fp8
     a KV head."""
     pointers = {"Q": dtype, "K": cache, "V": cache, "O": "fp32" if split else dtype, "LSE": "fp32",
                 "KDescale": "fp32", "VDescale": "fp32", "SeqlensK": "i32", "CacheBatchIdx": "i32"}
-    constexprs = dict(GROUP=group, BLOCK_N=block_n, STAGES=num_stages, Q_BF16=dtype == "bf16", SPLIT=split,
+    constexprs = dict(GROUP=group, BLOCK_N=block_n, STAGES=num_stages, Q_BF16=dtype == "bf16",
                       HAS_CACHE_BATCH_IDX=False)
     signature = {name: "*" + pointers[name] if name in pointers else "fp32" if name == "scale"
                  else "constexpr" if name in constexprs else "i32" for name in decode_fp8_kernel.arg_names}
@@ -249,7 +249,7 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, num_splits: int,
     if cache_batch_idx is not None:
         tensors = (*tensors[:-1], cache_batch_idx)
     plan = launch_cache.make_plan(decode_fp8_kernel, grid, *tensors, *tail, GROUP=nheads_q // nheads_k,
-                                  BLOCK_N=block_n, STAGES=num_stages, Q_BF16=q.dtype == torch.bfloat16, SPLIT=split,
+                                  BLOCK_N=block_n, STAGES=num_stages, Q_BF16=q.dtype == torch.bfloat16,
                                   HAS_CACHE_BATCH_IDX=cache_batch_idx is not None, num_warps=1)
     return launch_cache.keep(_PLANS, key, plan, decode_fp8_kernel, tail, _tensors)
 
