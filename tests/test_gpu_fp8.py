@@ -356,6 +356,48 @@ def test_gluon_fp8_decode_matches_the_truth(rng, kv_dtype, q_dtype, heads):
                     assert c.ok, f"{descales} descales, {splits} splits, batch {b} (seqlen {n}): {c}"
 
 
+@pytest.mark.parametrize("page_size", [64, 32, 256, 16, 1, 48])
+@pytest.mark.parametrize("form", ["block_table", "indptr"])
+def test_gluon_fp8_decode_over_pages_matches_the_truth(rng, page_size, form):
+    """The Gluon decode over a paged float8 cache: shuffled pages of 64, 32 and 256 keys (one page id
+    a 32-key tile), 16 and 1 (one a row, a shift) and 48 (one a row, a division), through a block
+    table or FlashInfer/SGLang tables; lengths 0, 1, 33 and longer, the split policy's count and 3
+    splits; each sequence against the float64 truth."""
+    B, Hq, Hk, D = 5, 32, 8, 128
+    lengths = [0, 1, 33, 2000, 3001]
+    pages = [-(-n // page_size) for n in lengths]
+    pool = sum(pages) + 3
+    kc, kd, kf = _cache8(rng, (pool, page_size, Hk, D), E4M3, B, True)
+    vc, vd, vf = _cache8(rng, (pool, page_size, Hk, D), E4M3, B, True)
+    ids = torch.randperm(pool, generator=rng).int()
+    rows = [ids[sum(pages[:b]):sum(pages[:b + 1])] for b in range(B)]
+    if form == "block_table":
+        table = torch.zeros((B, max(pages)), dtype=torch.int32)
+        for b, r in enumerate(rows):
+            table[b, :len(r)] = r
+        index = dict(block_table=table.to(CUDA), cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=CUDA))
+    else:
+        last = [n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, pages, strict=True)]
+        index = dict(kv_indices=torch.cat(rows).to(CUDA),
+                     kv_indptr=torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32, device=CUDA),
+                     kv_last_page_len=torch.tensor(last, dtype=torch.int32, device=CUDA))
+    q = _x((B, 1, Hq, D), rng).to(torch.bfloat16)
+    for splits in (0, 3):
+        kw = dict(**index, k_descale=kd, v_descale=vd, num_splits=splits)
+        assert _gluon_decode_chosen(q, kc, vc, **kw)
+        o, lse = fmha.attention_with_kvcache(q, kc, vc, return_lse=True, **kw)
+        assert torch.equal(o[0], torch.zeros_like(o[0])) and bool((lse[0] == float("-inf")).all())
+        for b in range(1, B):
+            n = lengths[b]
+            kb, vb = (c[rows[b].long()].reshape(-1, Hk, D)[:n].transpose(0, 1)[None] for c in (kf, vf))
+            qb = q[b:b + 1].transpose(1, 2)
+            ref_o, ref_lse = numerics.torch_attention(qb, kb, vb, compute_dtype=torch.float64)
+            base_o, base_lse = numerics.torch_attention(qb, kb.bfloat16(), vb.bfloat16())
+            for c in (numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16),
+                      numerics.compare("lse", lse[b:b + 1], ref_lse, base_lse, torch.float32)):
+                assert c.ok, f"{form}, pages of {page_size}, {splits} splits, batch {b} (seqlen {n}): {c}"
+
+
 def test_gluon_fp8_decode_reads_cache_rows_by_cache_batch_idx(rng):
     """cache_batch_idx picks each sequence's cache row: equal to the decode over those rows copied out."""
     B, Hq, Hk, D, S = 4, 32, 8, 128, 3000

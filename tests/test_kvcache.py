@@ -192,9 +192,9 @@ def test_sink_tokens_reach_queries_that_the_causal_window_hides(rng):
 
 def test_a_float8_cache_takes_its_own_decode_tile(rng, monkeypatch):
     """attention_with_kvcache marks a float8 cache in the Problem (feature fp8_kv_cache); on sm90
-    a contiguous float8 cache at D=128 takes the Gluon decode (attempt 106), a paged one the Triton
-    kernel, whose 64-key tile the default selection passes over for float8 caches (measured
-    slower, attempt 57) for the 128-key one, while a 16-bit cache keeps the 64-key tile."""
+    a float8 cache at D=128 takes the Gluon decode (attempt 106), one at D=64 the Triton kernel,
+    whose 64-key tile the default selection passes over for float8 caches (measured slower,
+    attempt 57) for the 128-key one, while a 16-bit cache keeps the 64-key tile."""
     import fmha.kvcache as api_kvcache
     from fmha.api import get_dispatcher
     from fmha.configs import Family
@@ -211,20 +211,18 @@ def test_a_float8_cache_takes_its_own_decode_tile(rng, monkeypatch):
     assert [p.kv_fp8 for p in seen] == [True, False]
     assert Feature.FP8_KV_CACHE in seen[0].features and Feature.FP8_KV_CACHE not in seen[1].features
     dispatcher = get_dispatcher()
-    for kv_fp8, paged, block_n, warps in ((True, False, 32, 1), (True, True, 128, 4), (False, False, 64, 4)):
-        problem = seen[0].with_(arch="sm90", head_dim_qk=128, head_dim_v=128, seqlen_k=8192, kv_fp8=kv_fp8,
-                                paged_kv=paged)
+    for kv_fp8, head_dim, block_n, warps in ((True, 128, 32, 1), (True, 64, 128, 4), (False, 128, 64, 4)):
+        problem = seen[0].with_(arch="sm90", head_dim_qk=head_dim, head_dim_v=head_dim, seqlen_k=8192, kv_fp8=kv_fp8)
         config, why = dispatcher.select(problem, Family.FWD_SPLITKV)
         a = config.algorithm
         assert (a.block_m, a.block_n, a.num_warps) == (16, block_n, warps), config.name
-        assert a.pipeline.is_gluon is (kv_fp8 and not paged), config.name
-        assert ("1 passed over before it" in why) is (kv_fp8 and paged), why
+        assert a.pipeline.is_gluon is (kv_fp8 and head_dim == 128), config.name
+        assert ("1 passed over before it" in why) is (kv_fp8 and head_dim == 64), why
     assert "float8 KV cache: measured slower there than the next config" in dispatcher.explain(
         seen[0].with_(arch="sm90"), Family.FWD_SPLITKV)
 
 
 @pytest.mark.parametrize("change, reason", [
-    (dict(paged_kv=True), "features not supported: ['paged_kv']"),
     (dict(seqlen_q=2), "one query token a sequence (decode) only, got seqlen_q=2"),
     (dict(varlen=True), "(packed varlen queries)"),
     (dict(kv_fp8=False), "a float8 KV cache only"),
@@ -239,8 +237,8 @@ def test_a_float8_cache_takes_its_own_decode_tile(rng, monkeypatch):
     (dict(arch="sm80"), "arch sm80 not in ['sm90']"),
 ])
 def test_the_gluon_fp8_decode_serves_plain_decode_steps_and_explain_says_why_not(change, reason):
-    """The registry's Gluon decode (kernels/kvcache_gluon.py) takes one query token over a contiguous
-    float8 cache at D=128 on sm90 (causal aligned bottom-right masks nothing there), split so that
+    """The registry's Gluon decode (kernels/kvcache_gluon.py) takes one query token over a float8 cache
+    (contiguous or paged) at D=128 on sm90 (causal aligned bottom-right masks nothing there), split so that
     about four one-warp programs run an SM (its config's programs_per_sm); the rest goes to the
     Triton kernel, and explain names the reason."""
     from fmha.api import get_dispatcher
@@ -250,7 +248,7 @@ def test_the_gluon_fp8_decode_serves_plain_decode_steps_and_explain_says_why_not
     base = Problem(batch=32, nhead_q=32, nhead_k=8, seqlen_q=1, seqlen_k=8192, head_dim_qk=128, head_dim_v=128,
                    dtype=DType.BF16, layout="bshd", arch="sm90", seqused_k=True, kv_fp8=True)
     dispatcher = get_dispatcher()
-    for problem in (base, base.with_(causal=True), base.with_(dtype=DType.FP16)):
+    for problem in (base, base.with_(causal=True), base.with_(dtype=DType.FP16), base.with_(paged_kv=True)):
         config, _ = dispatcher.select(problem, Family.FWD_SPLITKV)
         assert config.algorithm.pipeline.is_gluon and config.algorithm.programs_per_sm == 4, config.name
     a = dispatcher.select(base, Family.FWD_SPLITKV)[0].algorithm

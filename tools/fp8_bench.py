@@ -18,7 +18,8 @@ fp8 cache converted by Triton's own `.to` ("(Triton cvt)", kvcache.FP8_ASM off: 
 with K's conversion on the load's layout too ("(K on load layout)", kvcache.FP8_K_AT_DOT off: attempt 58's),
 and with the products in bf16 ("(bf16 products)", kvcache.FP8_F16_DOTS off: attempt 104's control); the
 registry's fp8 decode is the Gluon one (attempt 106) where it applies, these switches are the Triton kernel's
-("Triton ..." rows: the registry without the Gluon decode).
+("Triton ..." rows: the registry without the Gluon decode), and the fp8 cache in shuffled pages of 1, 16, 64
+and 256 keys (block table) and 64 (FlashInfer/SGLang tables), and pages of 64 on the Triton kernel.
 """
 
 from __future__ import annotations
@@ -166,6 +167,18 @@ def decode_shape(rounds: int, B: int, S: int) -> list[dict]:
     def fp8_decode():
         return fmha.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
 
+    def fp8_paged(page, indptr=False):  # the same keys in shuffled pages (block table or FlashInfer tables)
+        n = B * S // page
+        table = torch.randperm(n, device="cuda").int().reshape(B, S // page)
+        kp, vp = (torch.empty(n, page, Hk, D, device="cuda", dtype=c.dtype) for c in (k8, v8))
+        kp[table.long()] = k8.reshape(B, S // page, page, Hk, D)
+        vp[table.long()] = v8.reshape(B, S // page, page, Hk, D)
+        index = (dict(kv_indices=table.reshape(-1).contiguous(),
+                      kv_indptr=torch.arange(0, n + 1, S // page, device="cuda", dtype=torch.int32),
+                      kv_last_page_len=torch.full((B,), page, dtype=torch.int32, device="cuda"))
+                 if indptr else dict(block_table=table, cache_seqlens=seqlens))
+        return lambda: fmha.attention_with_kvcache(q, kp, vp, k_descale=kd, v_descale=vd, **index)
+
     triton_only = fmha.Dispatcher(fmha.Registry(
         [c for c in fmha.default_registry() if not (c.family == Family.FWD_SPLITKV and c.algorithm.pipeline.is_gluon)],
         name="triton decode"))
@@ -198,7 +211,10 @@ def decode_shape(rounds: int, B: int, S: int) -> list[dict]:
             "decode fp8 cache (Triton kernel)": (fp8_decode, 1, dict(triton=True)),
             "decode fp8 cache (Triton, bf16 products)": (fp8_decode, 1, dict(triton=True, FP8_F16_DOTS=False)),
             "decode fp8 cache (Triton, K on load layout)": (fp8_decode, 1, dict(triton=True, FP8_K_AT_DOT=False)),
-            "decode fp8 cache (Triton cvt)": (fp8_decode, 1, dict(triton=True, FP8_ASM=False))}
+            "decode fp8 cache (Triton cvt)": (fp8_decode, 1, dict(triton=True, FP8_ASM=False)),
+            **{f"decode fp8 cache paged({page})": (fp8_paged(page), 1, {}) for page in (1, 16, 64, 256)},
+            "decode fp8 cache indptr(64)": (fp8_paged(64, indptr=True), 1, {}),
+            "decode fp8 cache paged(64) (Triton kernel)": (fp8_paged(64), 1, dict(triton=True))}
     times: dict[str, list[float]] = {}
     outputs = {}
     for _ in range(rounds):
@@ -209,7 +225,8 @@ def decode_shape(rounds: int, B: int, S: int) -> list[dict]:
                 outputs[name] = fn()
     bf16_ms = sorted(times["decode bf16 cache"])[rounds // 2]
     diff = float((outputs["decode fp8 cache"].float() - outputs["decode bf16 cache"].float()).abs().max())
-    for other in ("decode fp8 cache (Triton kernel)", "decode fp8 cache (Triton cvt)"):
+    for other in ("decode fp8 cache (Triton kernel)", "decode fp8 cache (Triton cvt)", "decode fp8 cache paged(1)",
+                  "decode fp8 cache indptr(64)"):
         diff_other = (outputs["decode fp8 cache"].float() - outputs[other].float()).abs()
         print(f"B={B} S={S} fp8 cache: max |difference| from {other!r}: {float(diff_other.max()):.3g} (the sums in "
               "another order; the tests bound each against the float64 truth)")
@@ -218,7 +235,7 @@ def decode_shape(rounds: int, B: int, S: int) -> list[dict]:
         tbs = 2 * B * S * Hk * D * elem / ms / 1e9
         rows.append(dict(B=B, Hq=Hq, Hk=Hk, S=S, D=D, contender=name, ms=ms, kv_tb_per_s=tbs,
                          speedup_vs_bf16=bf16_ms / ms, times_ms=times[name], max_abs_diff_fp8_vs_bf16=diff))
-        print(f"B={B} S={S} {name:<36} {ms * 1e3:8.1f} us {tbs:6.2f} TB/s of K+V  x{bf16_ms / ms:.2f} vs bf16 cache")
+        print(f"B={B} S={S} {name:<42} {ms * 1e3:8.1f} us {tbs:6.2f} TB/s of K+V  x{bf16_ms / ms:.2f} vs bf16 cache")
     return rows
 
 

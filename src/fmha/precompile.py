@@ -385,13 +385,14 @@ def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob
     a = config.algorithm
     if config.family == Family.FWD_SPLITKV:  # the fp8 decode: partial outputs (split) or final, e4m3/e5m2 caches
         jobs = []
-        for cache in ("fp8e4nv", "fp8e5"):
-            for split in (True, False):
-                signature, constexprs, options = kvcache_gluon.compile_spec(TRITON_TYPES[dtype], a.block_n,
-                                                                            a.num_stages, cache=cache, split=split)
-                jobs.append((f"{'e4m3' if cache == 'fp8e4nv' else 'e5m2'}_{'split' if split else 'final'}",
-                             CompileJob(kvcache_gluon.__name__, "decode_fp8_kernel", tuple(signature.items()),
-                                        tuple(constexprs.items()), options["num_warps"], 1, "gluon")))
+        for cache, split, page in (("fp8e4nv", True, 0), ("fp8e4nv", False, 0), ("fp8e5", True, 0),
+                                   ("fp8e5", False, 0), ("fp8e4nv", True, 64), ("fp8e4nv", True, 16)):
+            signature, constexprs, options = kvcache_gluon.compile_spec(TRITON_TYPES[dtype], a.block_n, a.num_stages,
+                                                                        cache=cache, split=split, page_size=page)
+            jobs.append((f"{'e4m3' if cache == 'fp8e4nv' else 'e5m2'}_{'split' if split else 'final'}"
+                         + (f"_page{page}" if page else ""),
+                         CompileJob(kvcache_gluon.__name__, "decode_fp8_kernel", tuple(signature.items()),
+                                    tuple(constexprs.items()), options["num_warps"], 1, "gluon")))
         return jobs
     head_dim = config.signature.head_dim_max
     variants = ["plain", "causal"] if Feature.MASK in config.signature.features else ["plain"]

@@ -298,7 +298,7 @@ def default_registry() -> Registry:
     # best at about four one-warp programs an SM (512 programs at B=32 8k and B=8 32k keys).
     configs.append(KernelConfig(
         Signature(Family.FWD_SPLITKV, half, ("sm90",), 128, 128, frozenset({Feature.MASK, Feature.GQA,
-                  Feature.SEQUSED_K, Feature.FP8_KV_CACHE}), head_dims=(128,), sliding_window=False,
+                  Feature.SEQUSED_K, Feature.FP8_KV_CACHE, Feature.PAGED_KV}), head_dims=(128,), sliding_window=False,
                   needs_tma=True, fp8_decode=True),
         Algorithm(16, 32, 1, 3, pipeline=Pipeline.GLUON, programs_per_sm=4),
         notes="one-warp decode over a float8 cache: K/V by cp.async, straight into mma operands"))

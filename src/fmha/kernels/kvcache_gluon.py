@@ -23,7 +23,9 @@ carry the factor, the LSE drops it). Partial outputs and LSEs of the splits are 
 
 Scope (the registry's `fp8_decode` signature): D = 128, one query token a sequence (no varlen),
 at most 16 query heads per KV head, a contiguous cache (B_cache, S, Hk, 128) (optionally rows
-picked by cache_batch_idx) with 16-byte aligned rows, descales per tensor or per (batch, KV
+picked by cache_batch_idx) or pages (num_pages, page_size, Hk, 128) through a block table or
+FlashInfer/SGLang tables (as splitkv_kernel's: one page id a tile where pages hold a multiple of
+BLOCK_N keys, else one a row), with 16-byte aligned rows, descales per tensor or per (batch, KV
 head), no mask (causal at one query aligned bottom-right is none), no ALiBi, soft-cap, sink
 tokens or sink logits. Everything else runs on the Triton kernel (kvcache.py).
 Measured (H200, docs/performance.md attempt 106): 1.79x the bf16 cache's decode, where the
@@ -38,7 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from . import launch_cache
-from .kvcache import F16_P_SHIFT, _descale_strides
+from .kvcache import F16_P_SHIFT, _descale_strides, _paging
 from .launch_args import unit_descale
 
 HEAD_DIM = gl.constexpr(128)
@@ -79,20 +81,56 @@ def _pow2(n):
 
 
 @gluon.jit
-def _copy_tile(ring, slot, base, rows, cols, stride_n, hi):
+def _row_offsets(rows, n0, hi, b_row, Table, table_row, page_size, stride_b, stride_n, PAGED: gl.constexpr,
+                 PAGE_PER_TILE: gl.constexpr, PAGE_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Offsets (elements) of the cache rows of keys `rows` (n0 + arange, in a tile layout's row
+    slice): b_row's rows of a contiguous cache, or through the page table (as splitkv_kernel's
+    `_kv_slots`: one page id a tile when pages hold a multiple of BLOCK_N keys, else one a row; page
+    ids past hi are not read)."""
+    if PAGED:
+        if PAGE_PER_TILE:
+            page_idx = n0 // page_size
+            page = gl.load(Table + table_row + page_idx, mask=n0 < hi, other=0)
+            return page.to(gl.int64) * stride_b + (rows - page_idx * page_size).to(gl.int64) * stride_n
+        elif PAGE_SHIFT >= 0:
+            page = gl.load(Table + table_row + (rows >> PAGE_SHIFT), mask=rows < hi, other=0)
+            return page.to(gl.int64) * stride_b + (rows & ((1 << PAGE_SHIFT) - 1)).to(gl.int64) * stride_n
+        else:
+            page = gl.load(Table + table_row + rows // page_size, mask=rows < hi, other=0)
+            return page.to(gl.int64) * stride_b + (rows % page_size).to(gl.int64) * stride_n
+    return b_row.to(gl.int64) * stride_b + rows.to(gl.int64) * stride_n
+
+
+@gluon.jit
+def _copy_tile(ring, slot, base, offsets, rows, cols, hi):
     """cp.async of one tile's rows (< hi; the others zero-filled) into ring slot `slot`."""
-    async_copy.async_copy_global_to_shared(ring.index(slot), base + rows[:, None].to(gl.int64) * stride_n
-                                           + cols[None, :], mask=(rows < hi)[:, None])
+    async_copy.async_copy_global_to_shared(ring.index(slot), base + offsets[:, None] + cols[None, :],
+                                           mask=(rows < hi)[:, None])
+
+
+@gluon.jit
+def _copy_ahead(k_ring, v_ring, slot, n0, hi, k_base, v_base, k_rows, k_cols, v_rows, v_cols, b_row, Table,
+                table_row, page_size, stride_kb, stride_kn, stride_vb, stride_vn, PAGED: gl.constexpr,
+                PAGE_PER_TILE: gl.constexpr, PAGE_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The cp.async group of key tile n0's K and V rows into ring slot `slot`."""
+    kr = n0 + k_rows
+    _copy_tile(k_ring, slot, k_base, _row_offsets(kr, n0, hi, b_row, Table, table_row, page_size, stride_kb,
+                                                  stride_kn, PAGED, PAGE_PER_TILE, PAGE_SHIFT, BLOCK_N), kr, k_cols, hi)
+    vr = n0 + v_rows
+    _copy_tile(v_ring, slot, v_base, _row_offsets(vr, n0, hi, b_row, Table, table_row, page_size, stride_vb,
+                                                  stride_vn, PAGED, PAGE_PER_TILE, PAGE_SHIFT, BLOCK_N), vr, v_cols, hi)
+    async_copy.commit_group()
 
 
 @gluon.jit(do_not_specialize=["num_splits"])
-def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchIdx,
+def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchIdx, BlockTable, KvIndptr,
                       stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                       stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
-                      stride_kdb, stride_kdh, stride_vdb, stride_vdh,
+                      stride_kdb, stride_kdh, stride_vdb, stride_vdh, stride_btb, page_size,
                       nheads_k, num_splits, scale,
                       GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BF16: gl.constexpr,
-                      HAS_CACHE_BATCH_IDX: gl.constexpr):
+                      HAS_CACHE_BATCH_IDX: gl.constexpr, PAGED: gl.constexpr,
+                      TABLE_INDPTR: gl.constexpr, PAGE_PER_TILE: gl.constexpr, PAGE_SHIFT: gl.constexpr):
     mma: gl.constexpr = _mma_layout()
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -105,10 +143,20 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
     bhk = pid // num_splits
     b = bhk // nheads_k
     hk = bhk % nheads_k
-    len_k = gl.load(SeqlensK + b)
     b_row = b
     if HAS_CACHE_BATCH_IDX:
         b_row = gl.load(CacheBatchIdx + b)
+    table_row = 0
+    if PAGED:  # sequence b's page ids: row b_row of the block table, or kv_indices from kv_indptr[b]
+        if TABLE_INDPTR:
+            table_row = gl.load(KvIndptr + b)
+        else:
+            table_row = b_row * stride_btb
+    if TABLE_INDPTR:  # SeqlensK holds kv_last_page_len: (pages - 1) * page_size + the last page's keys
+        pages = gl.load(KvIndptr + b + 1) - table_row
+        len_k = gl.where(pages > 0, (pages - 1) * page_size + gl.load(SeqlensK + b), 0)
+    else:
+        len_k = gl.load(SeqlensK + b)
     # Keys of this split: [lo, hi), BLOCK_N-aligned slices of [0, len_k) (as splitkv_kernel's).
     chunk = gl.cdiv(gl.cdiv(len_k, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
@@ -137,8 +185,8 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
     # compiler sees 16-byte copies also where it does not specialize them (an ahead-of-time build).
     stride_kb, stride_kn, stride_kh = stride_kb // 16 * 16, stride_kn // 16 * 16, stride_kh // 16 * 16
     stride_vb, stride_vn, stride_vh = stride_vb // 16 * 16, stride_vn // 16 * 16, stride_vh // 16 * 16
-    k_base = K + b_row.to(gl.int64) * stride_kb + hk * stride_kh
-    v_base = V + b_row.to(gl.int64) * stride_vb + hk * stride_vh
+    k_base = K + hk * stride_kh
+    v_base = V + hk * stride_vh
     key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
     k_ring = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM], ring_layout)
     v_ring = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM], ring_layout)
@@ -148,9 +196,9 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, mma))
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     for i in gl.static_range(STAGES - 1):  # the ring's first tiles
-        _copy_tile(k_ring, i, k_base, lo + i * BLOCK_N + k_rows, k_cols, stride_kn, hi)
-        _copy_tile(v_ring, i, v_base, lo + i * BLOCK_N + v_rows, v_cols, stride_vn, hi)
-        async_copy.commit_group()
+        _copy_ahead(k_ring, v_ring, i, lo + i * BLOCK_N, hi, k_base, v_base, k_rows, k_cols, v_rows, v_cols, b_row,
+                    BlockTable, table_row, page_size, stride_kb, stride_kn, stride_vb, stride_vn, PAGED, PAGE_PER_TILE,
+                    PAGE_SHIFT, BLOCK_N)
     for j in range(n_tiles):
         n0 = lo + j * BLOCK_N
         async_copy.wait_group(STAGES - 2)
@@ -158,9 +206,9 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
         k8 = k_ring.index(j % STAGES).load(k_layout)
         v8 = v_ring.index(j % STAGES).load(v_layout)
         ahead = j + STAGES - 1
-        _copy_tile(k_ring, ahead % STAGES, k_base, lo + ahead * BLOCK_N + k_rows, k_cols, stride_kn, hi)
-        _copy_tile(v_ring, ahead % STAGES, v_base, lo + ahead * BLOCK_N + v_rows, v_cols, stride_vn, hi)
-        async_copy.commit_group()
+        _copy_ahead(k_ring, v_ring, ahead % STAGES, lo + ahead * BLOCK_N, hi, k_base, v_base, k_rows, k_cols, v_rows,
+                    v_cols, b_row, BlockTable, table_row, page_size, stride_kb, stride_kn, stride_vb, stride_vn, PAGED,
+                    PAGE_PER_TILE, PAGE_SHIFT, BLOCK_N)
         # K^T in S's order of D: [keys, D] = [keys, 32q + 4s + 2h + e] -> [16s + 8h + 2q + e, keys]
         kt = k8.to(gl.float16).reshape([BLOCK_N, 4, 8, 2, 2]).permute((2, 3, 1, 4, 0)).reshape([HEAD_DIM, BLOCK_N])
         s = mma_v2(q_op, gl.convert_layout(kt, b_layout), gl.zeros([ROWS, BLOCK_N], gl.float32, mma))
@@ -197,22 +245,27 @@ def products_dtype(q_dtype: torch.dtype, kv_fp8: bool = True) -> torch.dtype:
 
 
 def compile_spec(dtype: str, block_n: int, num_stages: int, *, cache: str = "fp8e4nv", split: bool = True,
-                 group: int = 4) -> tuple[dict, dict, dict]:
+                 group: int = 4, page_size: int = 0) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `decode_fp8_kernel` for an ahead-of-time compile (fmha
     kernels build) without a GPU: q and a final output in `dtype` ("fp16" or "bf16"), a `cache`
     ("fp8e4nv" or "fp8e5") cache, partial outputs (split) or the final one, `group` query heads
-    a KV head."""
+    a KV head, a contiguous cache (page_size 0) or a block table of pages of `page_size` keys."""
     pointers = {"Q": dtype, "K": cache, "V": cache, "O": "fp32" if split else dtype, "LSE": "fp32",
-                "KDescale": "fp32", "VDescale": "fp32", "SeqlensK": "i32", "CacheBatchIdx": "i32"}
+                "KDescale": "fp32", "VDescale": "fp32", "SeqlensK": "i32", "CacheBatchIdx": "i32",
+                "BlockTable": "i32", "KvIndptr": "i32"}
+    paged = page_size > 0
     constexprs = dict(GROUP=group, BLOCK_N=block_n, STAGES=num_stages, Q_BF16=dtype == "bf16",
-                      HAS_CACHE_BATCH_IDX=False)
+                      HAS_CACHE_BATCH_IDX=False, PAGED=paged, TABLE_INDPTR=False,
+                      PAGE_PER_TILE=paged and page_size % block_n == 0,
+                      PAGE_SHIFT=page_size.bit_length() - 1 if paged and page_size & (page_size - 1) == 0 else -1)
     signature = {name: "*" + pointers[name] if name in pointers else "fp32" if name == "scale"
                  else "constexpr" if name in constexprs else "i32" for name in decode_fp8_kernel.arg_names}
     return signature, constexprs, {"num_warps": 1}
 
 
-def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, num_splits: int, scale: float,
-                     block_n: int, num_stages: int, k_descale=None, v_descale=None, cache_batch_idx=None,
+def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table=None, kv_indptr=None,
+                     kv_last_page_len=None, num_splits: int, scale: float, block_n: int, num_stages: int,
+                     k_descale=None, v_descale=None, cache_batch_idx=None,
                      **_triton_only) -> launch_cache.Planned | None:
     """`kvcache.launch_attention`'s contract for what this kernel serves (the registry's
     `fp8_decode` signature; the other arguments of that launcher are the defaults there):
@@ -221,16 +274,20 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, num_splits: int,
     call ran or made (None with cache_batch_idx), `Planned.launch(q, k_cache, v_cache, o, lse,
     lengths, block_table, kv_indptr, k_descale, v_descale)` repeating it."""
     _check_scope(_triton_only)
+    # the kernel's SeqlensK: the key counts, or kv_last_page_len with indptr tables
+    lengths = kv_last_page_len if kv_indptr is not None else seqlens_k
     key = None
     if cache_batch_idx is None and launch_cache.plans_enabled(decode_fp8_kernel):
+        tables = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) if t is not None else None
+                       for t in (block_table, kv_indptr))
         key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
                k_cache.dtype, o.shape, o.stride(), o.dtype, lse.shape, lse.stride(),
                tuple((d.shape, d.stride()) if d is not None else None for d in (k_descale, v_descale)),
-               seqlens_k.dtype, tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, o, lse, seqlens_k)),
+               lengths.dtype, tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, o, lse, lengths)), tables,
                launch_cache.current_device(), num_splits, scale, block_n, num_stages)
         planned = _PLANS.get(key)
         if planned is not None:
-            planned.launch(q, k_cache, v_cache, o, lse, seqlens_k, None, None, k_descale, v_descale)
+            planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale)
             return planned
     batch, _, nheads_q, _ = q.shape
     nheads_k = k_cache.shape[2]
@@ -242,23 +299,23 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k, num_splits: int,
         o_strides = (o.stride(0), o.stride(2), 0)
         lse_strides = (lse.stride(0), lse.stride(1), 0)
     grid = (batch * nheads_k * num_splits,)
+    paging = _paging(block_table, kv_indptr, k_cache.shape[1], block_n)
     tail = (q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3], *o_strides, *lse_strides,
-            *_descale_strides(k_cache, k_descale), *_descale_strides(k_cache, v_descale), nheads_k, num_splits,
-            scale)
-    tensors = _tensors(q, k_cache, v_cache, o, lse, seqlens_k, None, None, k_descale, v_descale)
+            *_descale_strides(k_cache, k_descale), *_descale_strides(k_cache, v_descale), paging.pop("stride_btb"),
+            paging.pop("page_size"), nheads_k, num_splits, scale)
+    tensors = _tensors(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale)
     if cache_batch_idx is not None:
-        tensors = (*tensors[:-1], cache_batch_idx)
+        tensors = (*tensors[:8], cache_batch_idx, *tensors[9:])
     plan = launch_cache.make_plan(decode_fp8_kernel, grid, *tensors, *tail, GROUP=nheads_q // nheads_k,
                                   BLOCK_N=block_n, STAGES=num_stages, Q_BF16=q.dtype == torch.bfloat16,
-                                  HAS_CACHE_BATCH_IDX=cache_batch_idx is not None, num_warps=1)
+                                  HAS_CACHE_BATCH_IDX=cache_batch_idx is not None, **paging, num_warps=1)
     return launch_cache.keep(_PLANS, key, plan, decode_fp8_kernel, tail, _tensors)
 
 
 def _check_scope(args: dict) -> None:
     """The arguments of kvcache.launch_attention this kernel does not take must be neutral (the
     registry's `fp8_decode` signature keeps such calls on the Triton kernel)."""
-    offside = [name for name in ("block_table", "kv_indptr", "kv_last_page_len", "cu_seqlens_q", "alibi_slopes",
-                                 "sinks") if args.get(name) is not None]
+    offside = [name for name in ("cu_seqlens_q", "alibi_slopes", "sinks") if args.get(name) is not None]
     if args.get("softcap", 0.0) or args.get("sink_size", 0) or args.get("max_seqlen_q", 0):
         offside.append("softcap/sink_size/max_seqlen_q")
     left, right = args.get("window", (-1, -1))
@@ -271,10 +328,11 @@ def _check_scope(args: dict) -> None:
 
 def _tensors(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale) -> tuple:
     """decode_fp8_kernel's leading (tensor) arguments (an absent descale is 1; `lengths` stands
-    in for the absent cache_batch_idx; no page tables here)."""
+    in for the absent cache_batch_idx and page tables)."""
     one = None if k_descale is not None and v_descale is not None else unit_descale(q.device)
     return (q, k_cache, v_cache, o, lse, k_descale if k_descale is not None else one,
-            v_descale if v_descale is not None else one, lengths, lengths)
+            v_descale if v_descale is not None else one, lengths, lengths,
+            block_table if block_table is not None else lengths, kv_indptr if kv_indptr is not None else lengths)
 
 
 _PLANS = launch_cache.plan_table()
