@@ -497,21 +497,25 @@ def test_bf16_queries_over_a_float8_cache_take_fp16_products():
     assert count[True] < 0.85 * count[False], count
 
 
-@pytest.mark.parametrize("q_dtype, cache", [("bf16", "fp8e4nv"), ("fp16", "fp8e5")])
+@pytest.mark.parametrize("q_dtype, cache, page_size", [("bf16", "fp8e4nv", 0), ("fp16", "fp8e5", 0),
+                                                       ("bf16", "fp8e4nv", 64), ("bf16", "fp8e4nv", 16),
+                                                       ("fp16", "fp8e4nv", 48)])
 @pytest.mark.parametrize("split", [True, False])
-def test_gluon_fp8_decode_copies_16_bytes_and_feeds_the_products_from_registers(q_dtype, cache, split):
+def test_gluon_fp8_decode_copies_16_bytes_and_feeds_the_products_from_registers(q_dtype, cache, page_size, split):
     """The Gluon fp8 decode (kernels/kvcache_gluon.py) compiled for sm_90 at the registry's tile (32
-    keys, 3 stages, one warp): K and V reach shared memory by 16-byte cp.async only (2 x 16 a tile,
-    two tiles ahead), each lane reads its bytes back by 16-byte shared loads straight into the mma
-    operands (fp16 m16n8k16: 32 for S, 32 for P V a tile), and nothing else is stored to shared
-    memory but q's one conversion: no 16-bit copy of V."""
+    keys, 3 stages, one warp), contiguous or over pages of 64 keys (one page id a tile), 16 (one a
+    row, a shift) or 48 (a division): K and V reach shared memory by 16-byte cp.async only (2 x 16 a
+    tile, two tiles ahead), each lane reads its bytes back by 16-byte shared loads straight into the
+    mma operands (fp16 m16n8k16: 32 for S, 32 for P V a tile), and nothing else is stored to shared
+    memory but q's one conversion: no 16-bit copy of V. A paged build reads 32-bit page ids."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from fmha.kernels import kvcache_gluon
 
-    signature, constexprs, options = kvcache_gluon.compile_spec(q_dtype, 32, 3, cache=cache, split=split)
+    signature, constexprs, options = kvcache_gluon.compile_spec(q_dtype, 32, 3, cache=cache, split=split,
+                                                                page_size=page_size)
     pointers = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
     ptx = triton.compile(GluonASTSource(kvcache_gluon.decode_fp8_kernel, signature, constexprs, pointers),
                          target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
@@ -522,6 +526,8 @@ def test_gluon_fp8_decode_copies_16_bytes_and_feeds_the_products_from_registers(
     assert shared["ld.shared.v4.b32"] >= 16, shared  # K's 8 and V's 8 a tile
     assert sum(n for op, n in shared.items() if op.startswith("st.")) <= 8, shared  # q's conversion alone
     assert not re.search(r"ld\.global(?:\.\w+)*\.(?:b8|u8)\b", ptx)
+    words = len(re.findall(r"ld\.global(?:\.\w+)*\.b32\b", ptx))  # the length, 2 descales (and page ids)
+    assert words == 3 if page_size == 0 else words > 3, words
 
 
 @pytest.mark.parametrize("rotary", [False, True])

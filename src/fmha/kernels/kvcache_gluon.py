@@ -81,24 +81,26 @@ def _pow2(n):
 
 
 @gluon.jit
-def _row_offsets(rows, n0, hi, b_row, Table, table_row, page_size, stride_b, stride_n, PAGED: gl.constexpr,
-                 PAGE_PER_TILE: gl.constexpr, PAGE_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Offsets (elements) of the cache rows of keys `rows` (n0 + arange, in a tile layout's row
-    slice): b_row's rows of a contiguous cache, or through the page table (as splitkv_kernel's
-    `_kv_slots`: one page id a tile when pages hold a multiple of BLOCK_N keys, else one a row; page
-    ids past hi are not read)."""
-    if PAGED:
-        if PAGE_PER_TILE:
-            page_idx = n0 // page_size
-            page = gl.load(Table + table_row + page_idx, mask=n0 < hi, other=0)
-            return page.to(gl.int64) * stride_b + (rows - page_idx * page_size).to(gl.int64) * stride_n
-        elif PAGE_SHIFT >= 0:
-            page = gl.load(Table + table_row + (rows >> PAGE_SHIFT), mask=rows < hi, other=0)
-            return page.to(gl.int64) * stride_b + (rows & ((1 << PAGE_SHIFT) - 1)).to(gl.int64) * stride_n
-        else:
-            page = gl.load(Table + table_row + rows // page_size, mask=rows < hi, other=0)
-            return page.to(gl.int64) * stride_b + (rows % page_size).to(gl.int64) * stride_n
-    return b_row.to(gl.int64) * stride_b + rows.to(gl.int64) * stride_n
+def _page_ids(rows, n0, hi, Table, table_row, page_size, PAGE_PER_TILE: gl.constexpr, PAGE_SHIFT: gl.constexpr):
+    """The page ids of keys `rows` (n0 + arange, in a tile layout's row slice), as splitkv_kernel's
+    `_kv_slots`: one id a tile when pages hold a multiple of BLOCK_N keys, else one a row; ids
+    past hi are not read."""
+    if PAGE_PER_TILE:
+        return gl.load(Table + table_row + n0 // page_size, mask=n0 < hi, other=0)
+    elif PAGE_SHIFT >= 0:
+        return gl.load(Table + table_row + (rows >> PAGE_SHIFT), mask=rows < hi, other=0)
+    else:
+        return gl.load(Table + table_row + rows // page_size, mask=rows < hi, other=0)
+
+
+@gluon.jit
+def _paged_offsets(pages, rows, page_size, stride_b, stride_n, PAGE_SHIFT: gl.constexpr):
+    """Offsets (elements) of the cache rows of keys `rows` in pages `pages` (_page_ids')."""
+    if PAGE_SHIFT >= 0:
+        in_page = rows & ((1 << PAGE_SHIFT) - 1)
+    else:
+        in_page = rows % page_size
+    return pages.to(gl.int64) * stride_b + in_page.to(gl.int64) * stride_n
 
 
 @gluon.jit
@@ -106,20 +108,6 @@ def _copy_tile(ring, slot, base, offsets, rows, cols, hi):
     """cp.async of one tile's rows (< hi; the others zero-filled) into ring slot `slot`."""
     async_copy.async_copy_global_to_shared(ring.index(slot), base + offsets[:, None] + cols[None, :],
                                            mask=(rows < hi)[:, None])
-
-
-@gluon.jit
-def _copy_ahead(k_ring, v_ring, slot, n0, hi, k_base, v_base, k_rows, k_cols, v_rows, v_cols, b_row, Table,
-                table_row, page_size, stride_kb, stride_kn, stride_vb, stride_vn, PAGED: gl.constexpr,
-                PAGE_PER_TILE: gl.constexpr, PAGE_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The cp.async group of key tile n0's K and V rows into ring slot `slot`."""
-    kr = n0 + k_rows
-    _copy_tile(k_ring, slot, k_base, _row_offsets(kr, n0, hi, b_row, Table, table_row, page_size, stride_kb,
-                                                  stride_kn, PAGED, PAGE_PER_TILE, PAGE_SHIFT, BLOCK_N), kr, k_cols, hi)
-    vr = n0 + v_rows
-    _copy_tile(v_ring, slot, v_base, _row_offsets(vr, n0, hi, b_row, Table, table_row, page_size, stride_vb,
-                                                  stride_vn, PAGED, PAGE_PER_TILE, PAGE_SHIFT, BLOCK_N), vr, v_cols, hi)
-    async_copy.commit_group()
 
 
 @gluon.jit(do_not_specialize=["num_splits"])
@@ -195,10 +183,25 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, mma))
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    for i in gl.static_range(STAGES - 1):  # the ring's first tiles
-        _copy_ahead(k_ring, v_ring, i, lo + i * BLOCK_N, hi, k_base, v_base, k_rows, k_cols, v_rows, v_cols, b_row,
-                    BlockTable, table_row, page_size, stride_kb, stride_kn, stride_vb, stride_vn, PAGED, PAGE_PER_TILE,
-                    PAGE_SHIFT, BLOCK_N)
+    # The ring's first tiles; a paged cache's page ids are loaded a tile before their copies are
+    # issued (carried in the loop), so the copies do not wait on the table's latency.
+    k_row0 = b_row.to(gl.int64) * stride_kb
+    v_row0 = b_row.to(gl.int64) * stride_vb
+    for i in gl.static_range(STAGES):
+        n_i = lo + i * BLOCK_N
+        if PAGED:
+            k_pages = _page_ids(n_i + k_rows, n_i, hi, BlockTable, table_row, page_size, PAGE_PER_TILE, PAGE_SHIFT)
+            v_pages = _page_ids(n_i + v_rows, n_i, hi, BlockTable, table_row, page_size, PAGE_PER_TILE, PAGE_SHIFT)
+        if i < STAGES - 1:
+            if PAGED:
+                k_offsets = _paged_offsets(k_pages, n_i + k_rows, page_size, stride_kb, stride_kn, PAGE_SHIFT)
+                v_offsets = _paged_offsets(v_pages, n_i + v_rows, page_size, stride_vb, stride_vn, PAGE_SHIFT)
+            else:
+                k_offsets = k_row0 + (n_i + k_rows).to(gl.int64) * stride_kn
+                v_offsets = v_row0 + (n_i + v_rows).to(gl.int64) * stride_vn
+            _copy_tile(k_ring, i, k_base, k_offsets, n_i + k_rows, k_cols, hi)
+            _copy_tile(v_ring, i, v_base, v_offsets, n_i + v_rows, v_cols, hi)
+            async_copy.commit_group()
     for j in range(n_tiles):
         n0 = lo + j * BLOCK_N
         async_copy.wait_group(STAGES - 2)
@@ -206,9 +209,21 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
         k8 = k_ring.index(j % STAGES).load(k_layout)
         v8 = v_ring.index(j % STAGES).load(v_layout)
         ahead = j + STAGES - 1
-        _copy_ahead(k_ring, v_ring, ahead % STAGES, lo + ahead * BLOCK_N, hi, k_base, v_base, k_rows, k_cols, v_rows,
-                    v_cols, b_row, BlockTable, table_row, page_size, stride_kb, stride_kn, stride_vb, stride_vn, PAGED,
-                    PAGE_PER_TILE, PAGE_SHIFT, BLOCK_N)
+        n_ahead = lo + ahead * BLOCK_N
+        if PAGED:
+            k_offsets = _paged_offsets(k_pages, n_ahead + k_rows, page_size, stride_kb, stride_kn, PAGE_SHIFT)
+            v_offsets = _paged_offsets(v_pages, n_ahead + v_rows, page_size, stride_vb, stride_vn, PAGE_SHIFT)
+            n_next = n_ahead + BLOCK_N
+            k_pages = _page_ids(n_next + k_rows, n_next, hi, BlockTable, table_row, page_size, PAGE_PER_TILE,
+                                PAGE_SHIFT)
+            v_pages = _page_ids(n_next + v_rows, n_next, hi, BlockTable, table_row, page_size, PAGE_PER_TILE,
+                                PAGE_SHIFT)
+        else:
+            k_offsets = k_row0 + (n_ahead + k_rows).to(gl.int64) * stride_kn
+            v_offsets = v_row0 + (n_ahead + v_rows).to(gl.int64) * stride_vn
+        _copy_tile(k_ring, ahead % STAGES, k_base, k_offsets, n_ahead + k_rows, k_cols, hi)
+        _copy_tile(v_ring, ahead % STAGES, v_base, v_offsets, n_ahead + v_rows, v_cols, hi)
+        async_copy.commit_group()
         # K^T in S's order of D: [keys, D] = [keys, 32q + 4s + 2h + e] -> [16s + 8h + 2q + e, keys]
         kt = k8.to(gl.float16).reshape([BLOCK_N, 4, 8, 2, 2]).permute((2, 3, 1, 4, 0)).reshape([HEAD_DIM, BLOCK_N])
         s = mma_v2(q_op, gl.convert_layout(kt, b_layout), gl.zeros([ROWS, BLOCK_N], gl.float32, mma))
