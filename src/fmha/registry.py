@@ -294,8 +294,9 @@ def default_registry() -> Registry:
     # 128 keys with 4 stages or 256 keys 0.82-1.14x (H200, 2026-11-30, attempts 57-58,
     # docs/performance.md).
     # Hopper, a float8 cache, one query token: the one-warp Gluon decode (kernels/kvcache_gluon.py),
-    # 1.79x the bf16 cache's decode where the Triton kernel ran 1.52x (H200, 2026-12-02, attempt 106);
-    # best at about four one-warp programs an SM (512 programs at B=32 8k and B=8 32k keys).
+    # 1.79x the bf16 cache's decode where the Triton kernel ran 1.52x (H200, 2026-12-02, attempt 106),
+    # as fast over pages of 64 keys (1 key: 5% slower; attempt 107); best at about four one-warp
+    # programs an SM (512 programs at B=32 8k and B=8 32k keys).
     configs.append(KernelConfig(
         Signature(Family.FWD_SPLITKV, half, ("sm90",), 128, 128, frozenset({Feature.MASK, Feature.GQA,
                   Feature.SEQUSED_K, Feature.FP8_KV_CACHE, Feature.PAGED_KV}), head_dims=(128,), sliding_window=False,
