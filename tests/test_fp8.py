@@ -497,17 +497,23 @@ def test_bf16_queries_over_a_float8_cache_take_fp16_products():
     assert count[True] < 0.85 * count[False], count
 
 
-@pytest.mark.parametrize("q_dtype, cache, page_size", [("bf16", "fp8e4nv", 0), ("fp16", "fp8e5", 0),
-                                                       ("bf16", "fp8e4nv", 64), ("bf16", "fp8e4nv", 16),
-                                                       ("fp16", "fp8e4nv", 48)])
+_ALL_DECODE_FEATURES = dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SINK_TOKENS=True, HAS_SOFTCAP=True, HAS_ALIBI=True)
+
+
+@pytest.mark.parametrize("q_dtype, cache, page_size, features", [
+    ("bf16", "fp8e4nv", 0, {}), ("fp16", "fp8e5", 0, {}), ("bf16", "fp8e4nv", 64, {}), ("bf16", "fp8e4nv", 16, {}),
+    ("fp16", "fp8e4nv", 48, {}), ("bf16", "fp8e4nv", 0, _ALL_DECODE_FEATURES),
+    ("bf16", "fp8e4nv", 16, _ALL_DECODE_FEATURES)])
 @pytest.mark.parametrize("split", [True, False])
-def test_gluon_fp8_decode_copies_16_bytes_and_feeds_the_products_from_registers(q_dtype, cache, page_size, split):
+def test_gluon_fp8_decode_copies_16_bytes_and_feeds_the_products_from_registers(q_dtype, cache, page_size, features,
+                                                                               split):
     """The Gluon fp8 decode (kernels/kvcache_gluon.py) compiled for sm_90 at the registry's tile (32
     keys, 3 stages, one warp), contiguous or over pages of 64 keys (one page id a tile), 16 (one a
-    row, a shift) or 48 (a division): K and V reach shared memory by 16-byte cp.async only (2 x 16 a
-    tile, two tiles ahead), each lane reads its bytes back by 16-byte shared loads straight into the
-    mma operands (fp16 m16n8k16: 32 for S, 32 for P V a tile), and nothing else is stored to shared
-    memory but q's one conversion: no 16-bit copy of V. A paged build reads 32-bit page ids."""
+    row, a shift) or 48 (a division), plain or with every mask and score feature: K and V reach
+    shared memory by 16-byte cp.async only (2 x 16 a tile, two tiles ahead), each lane reads its
+    bytes back by 16-byte shared loads straight into the mma operands (fp16 m16n8k16: 32 for S, 32
+    for P V a tile), and nothing else is stored to shared memory but q's one conversion: no 16-bit
+    copy of V. A paged build reads 32-bit page ids."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -515,7 +521,7 @@ def test_gluon_fp8_decode_copies_16_bytes_and_feeds_the_products_from_registers(
     from fmha.kernels import kvcache_gluon
 
     signature, constexprs, options = kvcache_gluon.compile_spec(q_dtype, 32, 3, cache=cache, split=split,
-                                                                page_size=page_size)
+                                                                page_size=page_size, **features)
     pointers = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
     ptx = triton.compile(GluonASTSource(kvcache_gluon.decode_fp8_kernel, signature, constexprs, pointers),
                          target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
@@ -527,7 +533,7 @@ def test_gluon_fp8_decode_copies_16_bytes_and_feeds_the_products_from_registers(
     assert sum(n for op, n in shared.items() if op.startswith("st.")) <= 8, shared  # q's conversion alone
     assert not re.search(r"ld\.global(?:\.\w+)*\.(?:b8|u8)\b", ptx)
     words = len(re.findall(r"ld\.global(?:\.\w+)*\.b32\b", ptx))  # the length, 2 descales (and page ids)
-    assert words == 3 if page_size == 0 else words > 3, words
+    assert words == 3 + 2 * bool(features) if page_size == 0 else words > 3, words  # (+ a lane's 2 rows' ALiBi slopes)
 
 
 @pytest.mark.parametrize("rotary", [False, True])

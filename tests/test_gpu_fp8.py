@@ -398,6 +398,64 @@ def test_gluon_fp8_decode_over_pages_matches_the_truth(rng, page_size, form):
                 assert c.ok, f"{form}, pages of {page_size}, {splits} splits, batch {b} (seqlen {n}): {c}"
 
 
+_GLUON_DECODE_CASES = {  # name: (seqlen_q, (Hq, Hk), attention_with_kvcache's mask and score arguments)
+    "causal, 4 queries": (4, (32, 8), dict(causal=True)),
+    "causal top-left, 2 queries": (2, (32, 8), dict(causal=True, mask_align="top_left")),
+    "window": (1, (32, 8), dict(window=(200, 0))),
+    "window and sink tokens, 3 queries": (3, (16, 4), dict(window=(300, 0), sink_size=40)),
+    "window with a right edge, top-left, sink tokens": (2, (32, 8), dict(window=(100, 50), mask_align="top_left",
+                                                                           sink_size=70)),
+    "soft-cap, ALiBi, sink logits": (2, (32, 8), dict(softcap=2.0, alibi=True, sinks=True)),
+    "all of them, 16 rows": (2, (16, 2), dict(causal=True, window=(500, 0), sink_size=16, softcap=2.0, alibi=True,
+                                              sinks=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(_GLUON_DECODE_CASES))
+@pytest.mark.parametrize("paged", [False, True])
+def test_gluon_fp8_decode_masks_and_scores_match_the_truth(rng, case, paged):
+    """The Gluon decode with up to 16 query rows a (sequence, KV head) (speculative tokens x GQA
+    group) and every mask and score feature of the KV-cache path: causal both alignments, windows
+    (with and without a right edge), sink tokens left and right of the window, soft-cap, ALiBi and
+    sink logits (folded in the kernel with one split, by the combine with more); contiguous and
+    pages of 64 keys; lengths 0 to 4000, the split policy's count and 1 and 3 splits; each sequence
+    as close to the float64 truth as the same attention in bf16."""
+    seqlen_q, (Hq, Hk), features = _GLUON_DECODE_CASES[case]
+    features = dict(features)
+    B, D, S, page = 6, 128, 4096, 64
+    lengths = [0, seqlen_q, 37, 333, 1500, 4000]
+    q = _x((B, seqlen_q, Hq, D), rng).to(torch.bfloat16)
+    shape = (B * S // page + 3, page, Hk, D) if paged else (B, S, Hk, D)
+    kc, kd, kf = _cache8(rng, shape, E4M3, B, paged)
+    vc, vd, vf = _cache8(rng, shape, E4M3, B, paged)
+    index = dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=CUDA))
+    if paged:
+        table = torch.randperm(shape[0], generator=rng)[:B * S // page].reshape(B, S // page).int()
+        index["block_table"] = table.to(CUDA)
+    slopes = (torch.rand((B, Hq), generator=rng) * 0.05).to(CUDA) if features.pop("alibi", False) else None
+    sinks = _x((Hq,), rng) if features.pop("sinks", False) else None
+    for splits in (0, 1, 3):
+        kw = dict(**index, k_descale=kd, v_descale=vd, num_splits=splits, alibi_slopes=slopes, sinks=sinks,
+                  **features)
+        assert _gluon_decode_chosen(q, kc, vc, **kw), fmha.explain_kvcache(q, kc, vc, **kw)
+        o, lse = fmha.attention_with_kvcache(q, kc, vc, return_lse=True, **kw)
+        if sinks is None:  # no keys, no sink: zeros and -inf
+            assert torch.equal(o[0], torch.zeros_like(o[0])) and bool((lse[0] == float("-inf")).all())
+        for b in range(0 if sinks is not None else 1, B):
+            n = lengths[b]
+            if paged:
+                kb, vb = (c[table[b].long()].reshape(-1, Hk, D)[:n].transpose(0, 1)[None] for c in (kf, vf))
+            else:
+                kb, vb = (c[b, :n].transpose(0, 1)[None] for c in (kf, vf))
+            qb = q[b:b + 1].transpose(1, 2)
+            ref_kw = dict(**features, alibi_slopes=None if slopes is None else slopes[b:b + 1], sinks=sinks)
+            ref_o, ref_lse = numerics.torch_attention(qb, kb, vb, compute_dtype=torch.float64, **ref_kw)
+            base_o, base_lse = numerics.torch_attention(qb, kb.bfloat16(), vb.bfloat16(), **ref_kw)
+            for c in (numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16),
+                      numerics.compare("lse", lse[b:b + 1], ref_lse, base_lse, torch.float32)):
+                assert c.ok, f"{case}, {splits} splits, batch {b} (seqlen {n}): {c}"
+
+
 def test_gluon_fp8_decode_reads_cache_rows_by_cache_batch_idx(rng):
     """cache_batch_idx picks each sequence's cache row: equal to the decode over those rows copied out."""
     B, Hq, Hk, D, S = 4, 32, 8, 128, 3000

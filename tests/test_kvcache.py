@@ -7,7 +7,7 @@ import torch
 import fmha
 from fmha import reference
 from fmha.numerics import max_abs_error
-from fmha.problem import MaskAlign
+from fmha.problem import DType, MaskAlign
 
 from attn_testing import randn
 
@@ -223,24 +223,20 @@ def test_a_float8_cache_takes_its_own_decode_tile(rng, monkeypatch):
 
 
 @pytest.mark.parametrize("change, reason", [
-    (dict(seqlen_q=2), "one query token a sequence (decode) only, got seqlen_q=2"),
-    (dict(varlen=True), "(packed varlen queries)"),
+    (dict(seqlen_q=5), "5 queries x 4 query heads per KV head = 20 rows: at most 16"),
+    (dict(varlen=True), "packed varlen queries"),
     (dict(kv_fp8=False), "a float8 KV cache only"),
-    (dict(nhead_q=64, nhead_k=2), "32 query heads per KV head: at most 16"),
+    (dict(nhead_q=64, nhead_k=2), "1 queries x 32 query heads per KV head = 32 rows: at most 16"),
     (dict(head_dim_qk=64, head_dim_v=64), "head dims (qk 64, v 64) are not equal and one of [128]"),
-    (dict(causal=True, mask_align=MaskAlign.TOP_LEFT), "causal aligned top-left"),
-    (dict(window=(100, 0)), "only causal masks"),
-    (dict(alibi=True), "features not supported: ['alibi']"),
-    (dict(sinks=True), "features not supported: ['sinks']"),
-    (dict(softcap=5.0), "features not supported: ['softcap']"),
+    (dict(dtype=DType.FP32), "dtype fp32 not in ['fp16', 'bf16']"),
     (dict(tma_aligned=False), "not 16-byte aligned"),
     (dict(arch="sm80"), "arch sm80 not in ['sm90']"),
 ])
-def test_the_gluon_fp8_decode_serves_plain_decode_steps_and_explain_says_why_not(change, reason):
-    """The registry's Gluon decode (kernels/kvcache_gluon.py) takes one query token over a float8 cache
-    (contiguous or paged) at D=128 on sm90 (causal aligned bottom-right masks nothing there), split so that
-    about four one-warp programs run an SM (its config's programs_per_sm); the rest goes to the
-    Triton kernel, and explain names the reason."""
+def test_the_gluon_fp8_decode_serves_decode_steps_and_explain_says_why_not(change, reason):
+    """The registry's Gluon decode (kernels/kvcache_gluon.py) takes up to 16 query rows a (sequence, KV
+    head) over a float8 cache (contiguous or paged) at D=128 on sm90, with every mask and score
+    feature, split so that about four one-warp programs run an SM (its config's programs_per_sm); the
+    rest goes to the Triton kernel, and explain names the reason."""
     from fmha.api import get_dispatcher
     from fmha.configs import Family
     from fmha.problem import DType, Problem
@@ -248,7 +244,10 @@ def test_the_gluon_fp8_decode_serves_plain_decode_steps_and_explain_says_why_not
     base = Problem(batch=32, nhead_q=32, nhead_k=8, seqlen_q=1, seqlen_k=8192, head_dim_qk=128, head_dim_v=128,
                    dtype=DType.BF16, layout="bshd", arch="sm90", seqused_k=True, kv_fp8=True)
     dispatcher = get_dispatcher()
-    for problem in (base, base.with_(causal=True), base.with_(dtype=DType.FP16), base.with_(paged_kv=True)):
+    for problem in (base, base.with_(causal=True), base.with_(dtype=DType.FP16), base.with_(paged_kv=True),
+                    base.with_(seqlen_q=4, causal=True), base.with_(causal=True, mask_align=MaskAlign.TOP_LEFT),
+                    base.with_(window=(100, 0), sink_size=4), base.with_(alibi=True, softcap=5.0, sinks=True),
+                    base.with_(nhead_q=128, seqlen_q=1)):
         config, _ = dispatcher.select(problem, Family.FWD_SPLITKV)
         assert config.algorithm.pipeline.is_gluon and config.algorithm.programs_per_sm == 4, config.name
     a = dispatcher.select(base, Family.FWD_SPLITKV)[0].algorithm

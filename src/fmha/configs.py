@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
-from .problem import DType, Feature, MaskAlign, Problem
+from .problem import DType, Feature, Problem
 
 
 class Family(str, Enum):
@@ -90,9 +90,9 @@ class Signature:
     # True: the default selection passes over this config for float8 KV caches (measured slower
     # there than the next fitting config; a speed preference as max_unmasked_seqlen_k).
     slower_for_fp8_cache: bool = False
-    # True: a decode kernel over float8 KV caches only (kernels/kvcache_gluon.py): one query token a
-    # sequence, at most 16 query heads per KV head, causal only aligned bottom-right (at one query
-    # that masks nothing).
+    # True: a decode kernel over float8 KV caches only (kernels/kvcache_gluon.py): the queries of a
+    # (sequence, KV head) in one 16-row tile (seqlen_q x query heads per KV head <= 16), no packed
+    # varlen queries.
     fp8_decode: bool = False
 
     def refusals(self, problem: Problem) -> list[str]:
@@ -128,13 +128,12 @@ class Signature:
         if self.fp8_decode:
             if not problem.kv_fp8:
                 reasons.append("a float8 KV cache only")
-            if problem.seqlen_q != 1 or problem.varlen:
-                reasons.append(f"one query token a sequence (decode) only, got seqlen_q={problem.seqlen_q}"
-                               + (" (packed varlen queries)" if problem.varlen else ""))
-            if problem.nhead_q > 16 * problem.nhead_k:
-                reasons.append(f"{problem.nhead_q // max(problem.nhead_k, 1)} query heads per KV head: at most 16")
-            if problem.causal and problem.mask_align != MaskAlign.BOTTOM_RIGHT:
-                reasons.append("causal aligned top-left (at one query it hides every key but the first)")
+            rows = problem.seqlen_q * (problem.nhead_q // max(problem.nhead_k, 1))
+            if problem.varlen:
+                reasons.append("packed varlen queries: one tile of query rows a (sequence, KV head) only")
+            elif rows > 16:
+                reasons.append(f"{problem.seqlen_q} queries x {problem.nhead_q // max(problem.nhead_k, 1)} query "
+                               f"heads per KV head = {rows} rows: at most 16 (one 16-row tile)")
         return reasons
 
     def passed_over(self, problem: Problem) -> str:

@@ -293,14 +293,15 @@ def default_registry() -> Registry:
     # (8k keys) and 1.43x (32k) the bf16 cache's decode, where 64-key tiles ran 1.22x and 1.31x and
     # 128 keys with 4 stages or 256 keys 0.82-1.14x (H200, 2026-11-30, attempts 57-58,
     # docs/performance.md).
-    # Hopper, a float8 cache, one query token: the one-warp Gluon decode (kernels/kvcache_gluon.py),
+    # Hopper, a float8 cache, the queries of a (sequence, KV head) in one 16-row tile (a decode step,
+    # or a few speculative tokens): the one-warp Gluon decode (kernels/kvcache_gluon.py), every mask
+    # and score feature of the KV-cache path,
     # 1.79x the bf16 cache's decode where the Triton kernel ran 1.52x (H200, 2026-12-02, attempt 106),
     # as fast over pages of 64 keys (1 key: 5% slower; attempt 107); best at about four one-warp
     # programs an SM (512 programs at B=32 8k and B=8 32k keys).
     configs.append(KernelConfig(
-        Signature(Family.FWD_SPLITKV, half, ("sm90",), 128, 128, frozenset({Feature.MASK, Feature.GQA,
-                  Feature.SEQUSED_K, Feature.FP8_KV_CACHE, Feature.PAGED_KV}), head_dims=(128,), sliding_window=False,
-                  needs_tma=True, fp8_decode=True),
+        Signature(Family.FWD_SPLITKV, half, ("sm90",), 128, 128, kv, head_dims=(128,), needs_tma=True,
+                  fp8_decode=True),
         Algorithm(16, 32, 1, 3, pipeline=Pipeline.GLUON, programs_per_sm=4),
         notes="one-warp decode over a float8 cache: K/V by cp.async, straight into mma operands"))
     configs += [_config(Family.FWD_SPLITKV, half, cuda, 128, 16, 64, 4, 3, 1, kv, slower_for_fp8_cache=True),

@@ -1,7 +1,8 @@
 """Decode over a float8 KV cache in Gluon (family `fwd_splitkv`, pipeline `gluon`, sm90).
 
-One warp a program: a (batch, KV head, key split) triple, the KV head's query heads packed as
-the rows of one 16-row tile (one query token a sequence). K and V tiles of BLOCK_N keys go
+One warp a program: a (batch, KV head, key split) triple, the KV head's query rows packed into
+one 16-row tile (row r: query r // GROUP of query head r % GROUP; a decode step, or a few
+speculative tokens a sequence). K and V tiles of BLOCK_N keys go
 through a ring of STAGES shared-memory slots by `cp.async` (16 bytes a copy), and each lane
 reads its part of a tile straight into the registers of an mma.sync operand (`mma_v2`): no
 16-bit copy of V in shared memory, no barrier but the warp's own. That works because the head
@@ -21,17 +22,23 @@ fp16's range per program, as `kvcache.FP8_F16_DOTS` does), P enters P V as P * 2
 carry the factor, the LSE drops it). Partial outputs and LSEs of the splits are merged by
 `kvcache.combine_kernel`; with one split the program writes the final output.
 
-Scope (the registry's `fp8_decode` signature): D = 128, one query token a sequence (no varlen),
-at most 16 query heads per KV head, a contiguous cache (B_cache, S, Hk, 128) (optionally rows
-picked by cache_batch_idx) or pages (num_pages, page_size, Hk, 128) through a block table or
+Masks and scores as splitkv_kernel's (SPEC steps 2-4): causal and windows in both alignments,
+sink tokens, soft-cap (tanh through exp2 and an approximate reciprocal), ALiBi, sink logits
+(folded here with one split, by the combine with more). A sequence's key tiles are the sink
+tokens left of the window, the window, the sink tokens right of it; the splits take equal runs of
+those tiles (so a window's keys are what is split), and only the tiles the mask cuts compute it.
+
+Scope (the registry's `fp8_decode` signature): D = 128, seqlen_q x query heads per KV head <= 16
+(no packed varlen queries), a contiguous cache (B_cache, S, Hk, 128) (optionally rows picked by
+cache_batch_idx) or pages (num_pages, page_size, Hk, 128) through a block table or
 FlashInfer/SGLang tables (as splitkv_kernel's: one page id a tile where pages hold a multiple of
 BLOCK_N keys, else one a row; the ids are loaded a tile before their copies are issued), with
-16-byte aligned rows, descales per tensor or per (batch, KV
-head), no mask (causal at one query aligned bottom-right is none), no ALiBi, soft-cap, sink
-tokens or sink logits. Everything else runs on the Triton kernel (kvcache.py).
-Measured (H200, docs/performance.md attempts 106-107): 1.79x the bf16 cache's decode, where the
-Triton kernel with fp16 products ran 1.52x; over pages of 64 or 256 keys as fast as contiguous,
-of 16 and 1 key 3% and 5% slower.
+16-byte aligned rows, descales per tensor or per (batch, KV head). Everything else runs on the
+Triton kernel (kvcache.py).
+Measured (H200, docs/performance.md attempts 106-108): 1.79x the bf16 cache's decode, where the
+Triton kernel with fp16 products ran 1.52x; over pages as fast as contiguous (64 or 256 keys) or
+2-3% slower (16 and 1 key); 1.16-1.26x the Triton kernel with causal speculative rows and
+windows, even with soft-cap, ALiBi and sink logits.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from . import launch_cache
 from .kvcache import F16_P_SHIFT, _descale_strides, _paging
-from .launch_args import unit_descale
+from .launch_args import alibi_strides, unit_descale
 
 HEAD_DIM = gl.constexpr(128)
 ROWS = gl.constexpr(16)  # the mma tile's rows: a KV head's query heads (at most 16)
@@ -112,15 +119,38 @@ def _copy_tile(ring, slot, base, offsets, rows, cols, hi):
                                            mask=(rows < hi)[:, None])
 
 
-@gluon.jit(do_not_specialize=["num_splits"])
-def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchIdx, BlockTable, KvIndptr,
-                      stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                      stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
-                      stride_kdb, stride_kdh, stride_vdb, stride_vdh, stride_btb, page_size,
-                      nheads_k, num_splits, scale,
+@gluon.jit
+def _tile_start(t, n_sink0, lo, n_win, main_end, BLOCK_N: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr):
+    """First key of tile t of a sequence's tiles: n_sink0 tiles of sink tokens from key 0, n_win
+    tiles of the window from lo, then sink tokens from main_end."""
+    if HAS_SINK_TOKENS:
+        return gl.where(t < n_sink0, t * BLOCK_N,
+                        gl.where(t < n_sink0 + n_win, lo + (t - n_sink0) * BLOCK_N,
+                                 main_end + (t - n_sink0 - n_win) * BLOCK_N))
+    return lo + t * BLOCK_N
+
+
+@gluon.jit
+def _tanh(x):
+    """tanh through exp2, saturating to +-1 for large |x| (as common.tanh)."""
+    e = gl.exp2(-2.0 * LOG2E * gl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return gl.where(x < 0, -t, t)
+
+
+@gluon.jit(do_not_specialize=["num_splits", "seqlen_q", "window_left", "window_right", "sink_size"])
+def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchIdx, BlockTable, KvIndptr, Alibi,
+                      Sinks, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+                      stride_vh, stride_ob, stride_om, stride_oh, stride_os, stride_lb, stride_lh, stride_lm,
+                      stride_ls, stride_kdb, stride_kdh, stride_vdb, stride_vdh, stride_btb, page_size,
+                      stride_alibib, stride_alibih, nheads_k, seqlen_q, num_splits, scale, softcap, window_left,
+                      window_right, sink_size,
                       GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BF16: gl.constexpr,
                       HAS_CACHE_BATCH_IDX: gl.constexpr, PAGED: gl.constexpr,
-                      TABLE_INDPTR: gl.constexpr, PAGE_PER_TILE: gl.constexpr, PAGE_SHIFT: gl.constexpr):
+                      TABLE_INDPTR: gl.constexpr, PAGE_PER_TILE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
+                      ALIGN_BOTTOM_RIGHT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      HAS_SINK_TOKENS: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                      FOLD_SINKS: gl.constexpr):
     mma: gl.constexpr = _mma_layout()
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -147,25 +177,63 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
         len_k = gl.where(pages > 0, (pages - 1) * page_size + gl.load(SeqlensK + b), 0)
     else:
         len_k = gl.load(SeqlensK + b)
-    # Keys of this split: [lo, hi), BLOCK_N-aligned slices of [0, len_k) (as splitkv_kernel's).
-    chunk = gl.cdiv(gl.cdiv(len_k, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = gl.minimum(lo + chunk, len_k)
+    diag = 0  # query i's diagonal key is i + diag
+    if ALIGN_BOTTOM_RIGHT:
+        diag = len_k - seqlen_q
+    # The sequence's key tiles: the sink tokens left of the window, the window [lo, hi) (lo rounded
+    # down to a tile), the sink tokens right of it (splitkv_kernel's three ranges); the splits take
+    # equal runs of these tiles (a window's keys, not [0, len_k), are what is split).
+    lo = 0
+    hi = len_k
+    if HAS_LEFT:
+        lo = gl.maximum(diag - window_left, 0) // BLOCK_N * BLOCK_N
+    if HAS_RIGHT:
+        hi = gl.minimum(seqlen_q + diag + window_right, len_k)
+    hi = gl.maximum(hi, lo)
+    n_win = gl.cdiv(hi - lo, BLOCK_N)
+    main_end = lo + n_win * BLOCK_N
+    n_sink0 = 0
+    n_all = n_win
+    if HAS_SINK_TOKENS:
+        n_sink0 = gl.cdiv(gl.minimum(gl.minimum(sink_size, lo), len_k), BLOCK_N)
+        n_all = n_sink0 + n_win + gl.cdiv(gl.maximum(gl.minimum(sink_size, len_k) - main_end, 0), BLOCK_N)
+    chunk = gl.cdiv(n_all, num_splits)
+    t_lo = split * chunk
+    t_end = gl.minimum(t_lo + chunk, n_all)  # this program's tiles: t_lo .. t_end - 1
+    n_tiles = gl.maximum(t_end - t_lo, 0)
+    # Every query row sees every key of a tile starting at n0 with full_lo <= n0 <= full_hi - BLOCK_N
+    full_lo = 0
+    full_hi = len_k
+    if HAS_LEFT:
+        full_lo = seqlen_q - 1 + diag - window_left
+    if HAS_RIGHT:
+        full_hi = gl.minimum(diag + window_right + 1, len_k)
 
-    # q: the tile's rows are query heads hk * GROUP + r (rows >= GROUP are zeros), its columns in
-    # S's order of D; bf16 scaled by 2**e into fp16's range (the logit scale takes 2**-e).
+    # q: row r of the tile is query r // GROUP of head hk * GROUP + r % GROUP (rows past GROUP *
+    # seqlen_q are zeros), its columns in S's order of D; bf16 scaled by 2**e into fp16's range
+    # (the logit scale takes 2**-e).
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
     b64 = b.to(gl.int64)
-    q = gl.load(Q + b64 * stride_qb + (hk * GROUP + r)[:, None] * stride_qh + _qk_d(d)[None, :],
-                mask=(r < GROUP)[:, None], other=0.0).to(gl.float32)
-    scale = scale * gl.load(KDescale + b * stride_kdb + hk * stride_kdh) * LOG2E
+    q = gl.load(Q + b64 * stride_qb + (r // GROUP * stride_qm + (hk * GROUP + r % GROUP) * stride_qh)[:, None]
+                + _qk_d(d)[None, :], mask=(r < GROUP * seqlen_q)[:, None], other=0.0).to(gl.float32)
+    scale = scale * gl.load(KDescale + b * stride_kdb + hk * stride_kdh)
     if Q_BF16:
         amax = gl.max(gl.max(gl.abs(q), 1), 0)
         e = gl.minimum(gl.maximum(14 - (((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127), -126), 126)
         q = q * _pow2(e)
         scale = scale * _pow2(-e)
+    scale = scale * LOG2E  # logits in log2 units (exp2 below)
+    if HAS_SOFTCAP:
+        cap_scale = 2.0 * scale / softcap  # exp2 of this times the product is e^(2 y), y = logit / softcap
+        cap_log2 = softcap * LOG2E
     q_op = gl.convert_layout(q.to(gl.float16), a_layout)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+    query = rows // GROUP
+    h = hk * GROUP + rows % GROUP
+    row_ok = rows < GROUP * seqlen_q
+    if HAS_ALIBI:
+        slope = gl.load(Alibi + b * stride_alibib + h * stride_alibih, mask=row_ok, other=0.0).to(gl.float32) * LOG2E
 
     k_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, k_layout))
     k_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, k_layout))
@@ -184,16 +252,17 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, mma)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, mma))
-    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     # The ring's first tiles; a paged cache's page ids are loaded a tile before their copies are
-    # issued (carried in the loop), so the copies do not wait on the table's latency.
+    # issued (carried in the loop), so the copies do not wait on the table's latency. Copies of
+    # the tiles past the program's last read nothing (limit 0: zero-filled).
     k_row0 = b_row.to(gl.int64) * stride_kb
     v_row0 = b_row.to(gl.int64) * stride_vb
     for i in gl.static_range(STAGES):
-        n_i = lo + i * BLOCK_N
+        n_i = _tile_start(t_lo + i, n_sink0, lo, n_win, main_end, BLOCK_N, HAS_SINK_TOKENS)
+        limit = gl.where(t_lo + i < t_end, len_k, 0)
         if PAGED:
-            k_pages = _page_ids(n_i + k_rows, n_i, hi, BlockTable, table_row, page_size, PAGE_PER_TILE, PAGE_SHIFT)
-            v_pages = _page_ids(n_i + v_rows, n_i, hi, BlockTable, table_row, page_size, PAGE_PER_TILE, PAGE_SHIFT)
+            k_pages = _page_ids(n_i + k_rows, n_i, limit, BlockTable, table_row, page_size, PAGE_PER_TILE, PAGE_SHIFT)
+            v_pages = _page_ids(n_i + v_rows, n_i, limit, BlockTable, table_row, page_size, PAGE_PER_TILE, PAGE_SHIFT)
         if i < STAGES - 1:
             if PAGED:
                 k_offsets = _paged_offsets(k_pages, n_i + k_rows, page_size, stride_kb, stride_kn, PAGE_SHIFT)
@@ -201,35 +270,54 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
             else:
                 k_offsets = k_row0 + (n_i + k_rows).to(gl.int64) * stride_kn
                 v_offsets = v_row0 + (n_i + v_rows).to(gl.int64) * stride_vn
-            _copy_tile(k_ring, i, k_base, k_offsets, n_i + k_rows, k_cols, hi)
-            _copy_tile(v_ring, i, v_base, v_offsets, n_i + v_rows, v_cols, hi)
+            _copy_tile(k_ring, i, k_base, k_offsets, n_i + k_rows, k_cols, limit)
+            _copy_tile(v_ring, i, v_base, v_offsets, n_i + v_rows, v_cols, limit)
             async_copy.commit_group()
     for j in range(n_tiles):
-        n0 = lo + j * BLOCK_N
+        n0 = _tile_start(t_lo + j, n_sink0, lo, n_win, main_end, BLOCK_N, HAS_SINK_TOKENS)
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()  # every lane's copies of tile j landed, every lane read slot (j - 1) % STAGES
         k8 = k_ring.index(j % STAGES).load(k_layout)
         v8 = v_ring.index(j % STAGES).load(v_layout)
         ahead = j + STAGES - 1
-        n_ahead = lo + ahead * BLOCK_N
+        n_ahead = _tile_start(t_lo + ahead, n_sink0, lo, n_win, main_end, BLOCK_N, HAS_SINK_TOKENS)
+        limit = gl.where(t_lo + ahead < t_end, len_k, 0)
         if PAGED:
             k_offsets = _paged_offsets(k_pages, n_ahead + k_rows, page_size, stride_kb, stride_kn, PAGE_SHIFT)
             v_offsets = _paged_offsets(v_pages, n_ahead + v_rows, page_size, stride_vb, stride_vn, PAGE_SHIFT)
-            n_next = n_ahead + BLOCK_N
-            k_pages = _page_ids(n_next + k_rows, n_next, hi, BlockTable, table_row, page_size, PAGE_PER_TILE,
+            n_next = _tile_start(t_lo + ahead + 1, n_sink0, lo, n_win, main_end, BLOCK_N, HAS_SINK_TOKENS)
+            limit_next = gl.where(t_lo + ahead + 1 < t_end, len_k, 0)
+            k_pages = _page_ids(n_next + k_rows, n_next, limit_next, BlockTable, table_row, page_size, PAGE_PER_TILE,
                                 PAGE_SHIFT)
-            v_pages = _page_ids(n_next + v_rows, n_next, hi, BlockTable, table_row, page_size, PAGE_PER_TILE,
+            v_pages = _page_ids(n_next + v_rows, n_next, limit_next, BlockTable, table_row, page_size, PAGE_PER_TILE,
                                 PAGE_SHIFT)
         else:
             k_offsets = k_row0 + (n_ahead + k_rows).to(gl.int64) * stride_kn
             v_offsets = v_row0 + (n_ahead + v_rows).to(gl.int64) * stride_vn
-        _copy_tile(k_ring, ahead % STAGES, k_base, k_offsets, n_ahead + k_rows, k_cols, hi)
-        _copy_tile(v_ring, ahead % STAGES, v_base, v_offsets, n_ahead + v_rows, v_cols, hi)
+        _copy_tile(k_ring, ahead % STAGES, k_base, k_offsets, n_ahead + k_rows, k_cols, limit)
+        _copy_tile(v_ring, ahead % STAGES, v_base, v_offsets, n_ahead + v_rows, v_cols, limit)
         async_copy.commit_group()
         # K^T in S's order of D: [keys, D] = [keys, 32q + 4s + 2h + e] -> [16s + 8h + 2q + e, keys]
         kt = k8.to(gl.float16).reshape([BLOCK_N, 4, 8, 2, 2]).permute((2, 3, 1, 4, 0)).reshape([HEAD_DIM, BLOCK_N])
         s = mma_v2(q_op, gl.convert_layout(kt, b_layout), gl.zeros([ROWS, BLOCK_N], gl.float32, mma))
-        s = gl.where((n0 + key_cols < hi)[None, :], s * scale, float("-inf"))
+        c = n0 + key_cols
+        if HAS_SOFTCAP:  # softcap * tanh(s * scale / softcap), tanh(y) = 1 - 2 / (1 + e^2y), in log2 units
+            s = cap_log2 - 2.0 * cap_log2 * gl.fdiv(gl.full_like(s, 1.0), 1.0 + gl.exp2(s * cap_scale))
+        else:
+            s = s * scale
+        if HAS_ALIBI:
+            s = s - slope[:, None] * gl.abs(query[:, None] + diag - c[None, :]).to(gl.float32)
+        # SPEC step 4 (common.visible) and the sequence's end, on the tiles that need it (a uniform
+        # branch: the window's inner tiles are seen whole by every query row)
+        if (n0 < full_lo) | (n0 + BLOCK_N > full_hi):
+            seen = (c < len_k)[None, :] & (query >= 0)[:, None]
+            if HAS_LEFT:
+                seen = seen & (c[None, :] >= (query + diag - window_left)[:, None])
+            if HAS_RIGHT:
+                seen = seen & (c[None, :] <= (query + diag + window_right)[:, None])
+            if HAS_SINK_TOKENS:
+                seen = seen | (c < gl.minimum(sink_size, len_k))[None, :]
+            s = gl.where(seen, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - (m_safe - F16_P_SHIFT)[:, None])
@@ -242,18 +330,24 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
         acc = mma_v2(gl.convert_layout(p.to(gl.float16), a_layout), gl.convert_layout(vt, b_layout), acc)
     async_copy.wait_group(0)  # (the ring's copies past the last tile, all masked off)
 
+    if FOLD_SINKS:  # one split: the sink logit joins the denominator here (else the combine adds it)
+        sink = gl.load(Sinks + h, mask=row_ok, other=float("-inf")).to(gl.float32) * LOG2E
+        m_fin = gl.maximum(m_i, sink)
+        m_fin = gl.where(m_fin == float("-inf"), 0.0, m_fin)
+        alpha = gl.exp2(m_i - m_fin)
+        l_i = l_i * alpha + gl.exp2(sink - (m_fin - F16_P_SHIFT))
+        acc = acc * alpha[:, None]
+        m_i = m_fin
     acc = acc * gl.load(VDescale + b * stride_vdb + hk * stride_vdh)
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe) - F16_P_SHIFT) * LN2)
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
-    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
-    h = hk * GROUP + rows
-    d_out = 16 * (c % 8) + c // 8  # O's columns back in D's order
-    o_ptrs = O + split.to(gl.int64) * stride_os + b64 * stride_ob + h[:, None] * stride_oh + d_out[None, :]
-    gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(rows < GROUP)[:, None])
-    gl.store(LSE + split * stride_ls + b * stride_lb + h * stride_lh, lse, mask=rows < GROUP)
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
+    d_out = 16 * (cols % 8) + cols // 8  # O's columns back in D's order
+    o_rows = split.to(gl.int64) * stride_os + b64 * stride_ob + query * stride_om + h * stride_oh
+    gl.store(O + o_rows[:, None] + d_out[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    gl.store(LSE + split * stride_ls + b * stride_lb + h * stride_lh + query * stride_lm, lse, mask=row_ok)
 
 
 def products_dtype(q_dtype: torch.dtype, kv_fp8: bool = True) -> torch.dtype:
@@ -262,94 +356,113 @@ def products_dtype(q_dtype: torch.dtype, kv_fp8: bool = True) -> torch.dtype:
 
 
 def compile_spec(dtype: str, block_n: int, num_stages: int, *, cache: str = "fp8e4nv", split: bool = True,
-                 group: int = 4, page_size: int = 0) -> tuple[dict, dict, dict]:
+                 group: int = 4, page_size: int = 0, **features) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `decode_fp8_kernel` for an ahead-of-time compile (fmha
     kernels build) without a GPU: q and a final output in `dtype` ("fp16" or "bf16"), a `cache`
     ("fp8e4nv" or "fp8e5") cache, partial outputs (split) or the final one, `group` query heads
-    a KV head, a contiguous cache (page_size 0) or a block table of pages of `page_size` keys."""
+    a KV head, a contiguous cache (page_size 0) or a block table of pages of `page_size` keys;
+    `features`: the kernel's mask and score constexprs (HAS_LEFT=True, ...), off by default."""
     pointers = {"Q": dtype, "K": cache, "V": cache, "O": "fp32" if split else dtype, "LSE": "fp32",
                 "KDescale": "fp32", "VDescale": "fp32", "SeqlensK": "i32", "CacheBatchIdx": "i32",
-                "BlockTable": "i32", "KvIndptr": "i32"}
+                "BlockTable": "i32", "KvIndptr": "i32", "Alibi": "fp32", "Sinks": "fp32"}
     paged = page_size > 0
     constexprs = dict(GROUP=group, BLOCK_N=block_n, STAGES=num_stages, Q_BF16=dtype == "bf16",
                       HAS_CACHE_BATCH_IDX=False, PAGED=paged, TABLE_INDPTR=False,
                       PAGE_PER_TILE=paged and page_size % block_n == 0,
-                      PAGE_SHIFT=page_size.bit_length() - 1 if paged and page_size & (page_size - 1) == 0 else -1)
-    signature = {name: "*" + pointers[name] if name in pointers else "fp32" if name == "scale"
+                      PAGE_SHIFT=page_size.bit_length() - 1 if paged and page_size & (page_size - 1) == 0 else -1,
+                      ALIGN_BOTTOM_RIGHT=True, HAS_LEFT=False, HAS_RIGHT=False, HAS_SINK_TOKENS=False,
+                      HAS_SOFTCAP=False, HAS_ALIBI=False, FOLD_SINKS=False)
+    unknown = set(features) - set(constexprs)
+    if unknown:
+        raise ValueError(f"decode_fp8_kernel has no constexpr {sorted(unknown)}")
+    constexprs.update(features)
+    signature = {name: "*" + pointers[name] if name in pointers else "fp32" if name in ("scale", "softcap")
                  else "constexpr" if name in constexprs else "i32" for name in decode_fp8_kernel.arg_names}
     return signature, constexprs, {"num_warps": 1}
 
 
 def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table=None, kv_indptr=None,
-                     kv_last_page_len=None, num_splits: int, scale: float, block_n: int, num_stages: int,
-                     k_descale=None, v_descale=None, cache_batch_idx=None,
+                     kv_last_page_len=None, cache_batch_idx=None, alibi_slopes=None, sinks=None, num_splits: int,
+                     scale: float, softcap: float = 0.0, window: tuple[int, int] = (-1, -1), sink_size: int = 0,
+                     align_bottom_right: bool = True, block_n: int, num_stages: int, k_descale=None, v_descale=None,
                      **_triton_only) -> launch_cache.Planned | None:
     """`kvcache.launch_attention`'s contract for what this kernel serves (the registry's
-    `fp8_decode` signature; the other arguments of that launcher are the defaults there):
-    q (B, 1, Hq, 128) fp16/bf16; caches (B_cache, S, Hk, 128) float8; o, lse final (one split)
-    or (splits, B, Hq, 1, 128) fp32 and (splits, B, Hq, 1) partials. Returns the launch plan this
-    call ran or made (None with cache_batch_idx), `Planned.launch(q, k_cache, v_cache, o, lse,
-    lengths, block_table, kv_indptr, k_descale, v_descale)` repeating it."""
+    `fp8_decode` signature): q (B, Sq, Hq, 128) fp16/bf16 with Sq * Hq / Hk <= 16 (no packed
+    varlen queries); caches (B_cache, S, Hk, 128) or pages, float8; o, lse final (one split:
+    (B, Sq, Hq, 128), (B, Hq, Sq)) or partials ((splits, B, Hq, Sq, 128) fp32, (splits, B, Hq, Sq)).
+    Returns the launch plan this call ran or made (the call without ALiBi, sinks or batch index;
+    None otherwise), `Planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table,
+    kv_indptr, k_descale, v_descale)` repeating it."""
     _check_scope(_triton_only)
     # the kernel's SeqlensK: the key counts, or kv_last_page_len with indptr tables
     lengths = kv_last_page_len if kv_indptr is not None else seqlens_k
     key = None
-    if cache_batch_idx is None and launch_cache.plans_enabled(decode_fp8_kernel):
+    if (cache_batch_idx is None and alibi_slopes is None and sinks is None
+            and launch_cache.plans_enabled(decode_fp8_kernel)):
         tables = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) if t is not None else None
                        for t in (block_table, kv_indptr))
         key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
                k_cache.dtype, o.shape, o.stride(), o.dtype, lse.shape, lse.stride(),
                tuple((d.shape, d.stride()) if d is not None else None for d in (k_descale, v_descale)),
                lengths.dtype, tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, o, lse, lengths)), tables,
-               launch_cache.current_device(), num_splits, scale, block_n, num_stages)
+               launch_cache.current_device(), num_splits, scale, softcap, window, sink_size, align_bottom_right,
+               block_n, num_stages)
         planned = _PLANS.get(key)
         if planned is not None:
             planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale)
             return planned
-    batch, _, nheads_q, _ = q.shape
+    batch, seqlen_q, nheads_q, _ = q.shape
     nheads_k = k_cache.shape[2]
     split = num_splits > 1
-    if split:  # (splits, B, Hq, 1, D), (splits, B, Hq, 1)
-        o_strides = (o.stride(1), o.stride(2), o.stride(0))
-        lse_strides = (lse.stride(1), lse.stride(2), lse.stride(0))
-    else:  # (B, 1, Hq, D), (B, Hq, 1)
-        o_strides = (o.stride(0), o.stride(2), 0)
-        lse_strides = (lse.stride(0), lse.stride(1), 0)
+    if split:  # (splits, B, Hq, Sq, D), (splits, B, Hq, Sq): kernel order (batch, query, head, split)
+        o_strides = (o.stride(1), o.stride(3), o.stride(2), o.stride(0))
+        lse_strides = (lse.stride(1), lse.stride(2), lse.stride(3), lse.stride(0))
+    else:  # (B, Sq, Hq, D), (B, Hq, Sq)
+        o_strides = (*o.stride()[:3], 0)
+        lse_strides = (*lse.stride(), 0)
     grid = (batch * nheads_k * num_splits,)
+    if grid[0] == 0 or seqlen_q == 0:
+        return None
+    left, right = window
+    # at one query aligned bottom-right a right edge >= 0 hides no key (the query is the last)
+    has_right = right >= 0 and not (align_bottom_right and seqlen_q == 1)
     paging = _paging(block_table, kv_indptr, k_cache.shape[1], block_n)
-    tail = (q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3], *o_strides, *lse_strides,
+    tail = (*q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *o_strides, *lse_strides,
             *_descale_strides(k_cache, k_descale), *_descale_strides(k_cache, v_descale), paging.pop("stride_btb"),
-            paging.pop("page_size"), nheads_k, num_splits, scale)
-    tensors = _tensors(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale)
-    if cache_batch_idx is not None:
-        tensors = (*tensors[:8], cache_batch_idx, *tensors[9:])
+            paging.pop("page_size"), *alibi_strides(alibi_slopes), nheads_k, seqlen_q, num_splits, scale, softcap,
+            left, right, sink_size)
+    tensors = _tensors(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale,
+                       cache_batch_idx, alibi_slopes, sinks)
     plan = launch_cache.make_plan(decode_fp8_kernel, grid, *tensors, *tail, GROUP=nheads_q // nheads_k,
                                   BLOCK_N=block_n, STAGES=num_stages, Q_BF16=q.dtype == torch.bfloat16,
-                                  HAS_CACHE_BATCH_IDX=cache_batch_idx is not None, **paging, num_warps=1)
+                                  HAS_CACHE_BATCH_IDX=cache_batch_idx is not None, **paging,
+                                  ALIGN_BOTTOM_RIGHT=align_bottom_right, HAS_LEFT=left >= 0, HAS_RIGHT=has_right,
+                                  HAS_SINK_TOKENS=sink_size > 0, HAS_SOFTCAP=softcap > 0,
+                                  HAS_ALIBI=alibi_slopes is not None, FOLD_SINKS=sinks is not None and not split,
+                                  num_warps=1)
     return launch_cache.keep(_PLANS, key, plan, decode_fp8_kernel, tail, _tensors)
 
 
 def _check_scope(args: dict) -> None:
     """The arguments of kvcache.launch_attention this kernel does not take must be neutral (the
     registry's `fp8_decode` signature keeps such calls on the Triton kernel)."""
-    offside = [name for name in ("cu_seqlens_q", "alibi_slopes", "sinks") if args.get(name) is not None]
-    if args.get("softcap", 0.0) or args.get("sink_size", 0) or args.get("max_seqlen_q", 0):
-        offside.append("softcap/sink_size/max_seqlen_q")
-    left, right = args.get("window", (-1, -1))
-    if left != -1 or right not in (-1, 0) or (right == 0 and not args.get("align_bottom_right", True)):
-        offside.append(f"window {(left, right)}")
+    offside = [name for name in ("cu_seqlens_q",) if args.get(name) is not None]
+    if args.get("max_seqlen_q", 0):
+        offside.append("max_seqlen_q")
     if offside:
         raise ValueError(f"the Gluon fp8 decode does not take {', '.join(offside)}: the dispatcher's fp8_decode "
                          f"signature should have refused this call")
 
 
-def _tensors(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale) -> tuple:
-    """decode_fp8_kernel's leading (tensor) arguments (an absent descale is 1; `lengths` stands
-    in for the absent cache_batch_idx and page tables)."""
+def _tensors(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale,
+             cache_batch_idx=None, alibi_slopes=None, sinks=None) -> tuple:
+    """decode_fp8_kernel's leading (tensor) arguments (an absent descale is 1; `lengths` stands in
+    for the other absent tensors; a plan's repeat passes the first ten)."""
     one = None if k_descale is not None and v_descale is not None else unit_descale(q.device)
+    rest = tuple(t if t is not None else lengths
+                 for t in (cache_batch_idx, block_table, kv_indptr, alibi_slopes, sinks))
     return (q, k_cache, v_cache, o, lse, k_descale if k_descale is not None else one,
-            v_descale if v_descale is not None else one, lengths, lengths,
-            block_table if block_table is not None else lengths, kv_indptr if kv_indptr is not None else lengths)
+            v_descale if v_descale is not None else one, lengths, *rest)
 
 
 _PLANS = launch_cache.plan_table()
