@@ -3,8 +3,11 @@ calls, with masks, score features and several query rows a sequence: B=32 Hq=32 
 cached keys in an e4m3 cache with per-(batch, KV head) descales, bf16 queries. Cases: one query;
 2 and 4 queries under a causal mask (speculative tokens); a window of 4096 keys with 4 sink
 tokens; soft-cap 30 with ALiBi and sink logits. The two kernels alternate within each round (the
-Triton one through a registry without the Gluon config; call plans forgotten around each switch),
-medians of triton's do_bench medians over the rounds. Each case asserts which kernel explain names.
+Triton one through a registry without the Gluon config; call plans forgotten around each switch).
+Two times a call, medians over the rounds: the GPU's (the call captured in a CUDA graph and
+replayed, triton's do_bench_cudagraph) and the eager call's (do_bench: where the host path is
+slower than the kernels, as for calls with ALiBi or sink logits, which take no call plan, this
+is the host's). Each case asserts which kernel explain names.
 
     PYTHONPATH=src python tools/decode_features_bench.py [ROUNDS] [OUT.json]
 """
@@ -41,7 +44,7 @@ def main() -> int:
     triton_only = fmha.Dispatcher(fmha.Registry(
         [c for c in fmha.default_registry() if not (c.family == Family.FWD_SPLITKV and c.algorithm.pipeline.is_gluon)],
         name="triton decode"))
-    times: dict[tuple[str, str], list[float]] = {}
+    times: dict[tuple[str, str, str], list[float]] = {}
     for _ in range(rounds):
         for name, (_, kw) in cases.items():
             args = dict(cache_seqlens=seqlens, k_descale=kd, v_descale=vd, **kw)
@@ -51,16 +54,25 @@ def main() -> int:
                 with use_dispatcher(triton_only) if kernel == "triton" else contextlib.nullcontext():
                     chosen = fmha.explain_kvcache(q, k8, v8, **args).splitlines()[1]
                     assert ("_gluon_" in chosen) == (kernel == "gluon"), chosen
-                    times.setdefault((name, kernel), []).append(triton.testing.do_bench(
-                        lambda: fmha.attention_with_kvcache(q, k8, v8, **args), warmup=25, rep=100,
-                        return_mode="median"))
+                    def call():
+                        return fmha.attention_with_kvcache(q, k8, v8, **args)
+                    call()  # (compiled before the capture)
+                    times.setdefault((name, kernel, "graph"), []).append(
+                        triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median"))
+                    times.setdefault((name, kernel, "eager"), []).append(
+                        triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median"))
                 plan_tables.clear_plans()
     rows = []
     for name in cases:
-        g, t = (sorted(times[(name, kernel)])[rounds // 2] for kernel in ("gluon", "triton"))
-        print(f"{name:<32} Gluon {g * 1e3:7.1f} us  Triton {t * 1e3:7.1f} us  Triton / Gluon {t / g:.3f}")
-        rows.append(dict(case=name, gluon_ms=g, triton_ms=t, gluon_times_ms=times[(name, "gluon")],
-                         triton_times_ms=times[(name, "triton")]))
+        row = dict(case=name)
+        for mode in ("graph", "eager"):
+            g, t = (sorted(times[(name, kernel, mode)])[rounds // 2] for kernel in ("gluon", "triton"))
+            print(f"{name:<32} {mode:<5} Gluon {g * 1e3:7.1f} us  Triton {t * 1e3:7.1f} us  Triton / Gluon "
+                  f"{t / g:.3f}")
+            row.update({f"gluon_{mode}_ms": g, f"triton_{mode}_ms": t,
+                        f"gluon_{mode}_times_ms": times[(name, "gluon", mode)],
+                        f"triton_{mode}_times_ms": times[(name, "triton", mode)]})
+        rows.append(row)
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), rounds=rounds, rows=rows), f, indent=1)
