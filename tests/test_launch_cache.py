@@ -444,9 +444,10 @@ def test_backward_helper_plans_launch_what_the_launchers_build(monkeypatch):
 @pytest.mark.parametrize("tables", ["contiguous", "block_table", "indptr"])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_plans_launch_what_the_launchers_build(monkeypatch, tables, num_splits):
-    """kernels/kvcache.launch_attention (plain decode: contiguous cache, block table or
-    FlashInfer indptr tables; one split or four into fp32 partials) and launch_combine: a plan
-    run passes what the full launcher builds; a call with ALiBi never takes a plan."""
+    """kernels/kvcache.launch_attention (contiguous cache, block table or FlashInfer indptr
+    tables; one split or four into fp32 partials; plain, or with ALiBi slopes, sinks and a cache
+    batch index) and launch_combine (without and with sinks): a plan run passes what the full
+    launcher builds."""
     from fmha.kernels import kvcache
 
     runs = _recorded_runs(monkeypatch)
@@ -485,11 +486,28 @@ def test_decode_plans_launch_what_the_launchers_build(monkeypatch, tables, num_s
     assert len(kvcache._ATTENTION_PLANS) == 1
     _check_plan(combine, lambda: (torch.empty(4, b * hq, d), torch.empty(4, b * hq),
                                   torch.empty(b, 1, hq, d, dtype=torch.bfloat16), torch.empty(b, hq, 1)))
-    launch_cache.clear_plans()
-    made = tensors()
-    for _ in range(2):
-        attention(made, alibi_slopes=torch.rand(1, hq))
-    assert not kvcache._ATTENTION_PLANS
+
+    def with_features():
+        args, kw = tensors()
+        extra = dict(alibi_slopes=torch.rand(b, hq), sinks=torch.randn(hq))
+        if tables == "contiguous":
+            extra["cache_batch_idx"] = torch.randperm(b).int()
+        return args, {**kw, **extra}
+
+    _check_plan(attention, with_features)
+    assert len(kvcache._ATTENTION_PLANS) == 1
+
+    def combine_with_sinks(ts):
+        kvcache.launch_combine(*ts[:4], sinks=ts[4], nheads=hq, seqlen=1, block_m=16, num_warps=4)
+        return runs[-1]
+
+    _check_plan(combine_with_sinks, lambda: (torch.empty(4, b * hq, d), torch.empty(4, b * hq),
+                                             torch.empty(b, 1, hq, d, dtype=torch.bfloat16), torch.empty(b, hq, 1),
+                                             torch.randn(hq)))
+    launch_cache.clear_plans()  # a plain call and one with ALiBi slopes: two plans, not one
+    attention(tensors())
+    attention(with_features())
+    assert len(kvcache._ATTENTION_PLANS) == 2
 
 
 
@@ -899,12 +917,12 @@ def _decode_h200_path(monkeypatch):
 _DECODE_B, _DECODE_HQ, _DECODE_HK, _DECODE_D, _DECODE_PAGE, _DECODE_S = 4, 8, 2, 64, 16, 4096
 
 
-def _decode_inputs(tables: str, cache_dtype=torch.bfloat16, descales: str = "none") -> dict:
+def _decode_inputs(tables: str, cache_dtype=torch.bfloat16, descales: str = "none", d: int = _DECODE_D) -> dict:
     """A decode step's arguments at a size where num_splits=0 picks several splits on the H200
     path: new tensors of the same metadata on each call (pools expanded from one page: no kernel
     reads them). descales (float8 caches): "none", "tensor" (one value each, k's 0-d and v's
     (1,)) or "head" (per (batch, KV head))."""
-    b, hq, hk, d, page, s = _DECODE_B, _DECODE_HQ, _DECODE_HK, _DECODE_D, _DECODE_PAGE, _DECODE_S
+    b, hq, hk, page, s = _DECODE_B, _DECODE_HQ, _DECODE_HK, _DECODE_PAGE, _DECODE_S
     n = b * s // page
     q = torch.randn(b, 1, hq, d).to(torch.bfloat16)
     lengths = torch.randint(1, s + 1, (b,), dtype=torch.int32)
@@ -991,8 +1009,56 @@ def test_a_decode_call_plan_never_serves_a_call_the_full_path_refuses(monkeypatc
         fmha.attention_with_kvcache(**{**args, **kw, **bad})
 
 
+@pytest.mark.parametrize("cache", ["bf16", "fp8 per head", "fp8 at D=128"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("slopes", ["(Hq,)", "(B, Hq)"])
+def test_decode_call_plans_with_alibi_and_sinks_launch_what_the_full_path_launches(monkeypatch, cache, num_splits,
+                                                                                  slopes):
+    """On the H200 path, a decode call with ALiBi slopes ((Hq,) or (B, Hq)) and sink logits takes a
+    call plan too (the slopes and sinks are tensors of the key's metadata) and launches what the
+    full path launches for the same inputs: the Triton kernel (bf16 and float8 caches at D=64) or
+    the Gluon decode (float8 at D=128), with one split (sinks folded in the kernel) or four (sinks
+    added by the combine)."""
+    import fmha
+    from fmha import kvcache as api_kvcache
+
+    runs, full_path = _decode_h200_path(monkeypatch)
+    cache_dtype, descales = _CACHES["bf16" if cache == "bf16" else "fp8 per head"]
+    d = 128 if cache == "fp8 at D=128" else _DECODE_D
+
+    def inputs():
+        shape = (_DECODE_HQ,) if slopes == "(Hq,)" else (_DECODE_B, _DECODE_HQ)
+        args = dict(_decode_inputs("block_table", cache_dtype, descales, d), alibi_slopes=torch.rand(shape),
+                    sinks=torch.randn(_DECODE_HQ))
+        # (pools of their own pages: the Gluon decode's 16-byte aligned strides, where an expanded pool has 0)
+        return dict(args, **{name: torch.empty(args[name].shape, dtype=cache_dtype) for name in ("k_cache", "v_cache")})
+
+    def call(args):
+        del runs[:]
+        o, lse = fmha.attention_with_kvcache(**args, num_splits=num_splits, return_lse=True)
+        return o, lse, list(runs)
+
+    first = inputs()
+    assert ("_sm90_gluon_" in fmha.explain_kvcache(**first, num_splits=num_splits).splitlines()[1]) is (d == 128)
+    del full_path[:]  # (explain checked the call too)
+    call(first)
+    second = inputs()
+    planned = call(second)
+    assert len(full_path) == 1 and len(api_kvcache._DECODE_CALL_PLANS) == 1
+    launch_cache.clear_plans()
+    full = call(second)
+    assert len(full_path) == 2 and len(planned[2]) == len(full[2]) == (1 if num_splits == 1 else 2)
+    inputs_ids = {id(t) for t in second.values()}
+    for p, f in zip(planned[2], full[2], strict=True):
+        assert p[0] == f[0]
+        for a, b in zip(p[1], f[1], strict=True):
+            assert _alike(a, b) and (a is b or (id(a) not in inputs_ids and id(b) not in inputs_ids))
+    launched = {id(a) for _, args in full[2] for a in args}
+    assert id(second["sinks"]) in launched  # (the slopes (Hq,) go as a (1, Hq) view)
+
+
 def test_decode_calls_with_features_or_value_checks_take_no_call_plan(monkeypatch):
-    """ALiBi, sinks, appended k/v (with RoPE or not), a cache batch index, an int cache_seqlens:
+    """Appended k/v (with RoPE or not), a cache batch index, an int cache_seqlens:
     the full path every time. So too where the full path checks index values
     on the host (CPU tensors, debug mode): a plan made without those checks never serves such a
     call, which still refuses a bad value."""
@@ -1000,15 +1066,13 @@ def test_decode_calls_with_features_or_value_checks_take_no_call_plan(monkeypatc
     from fmha import kvcache as api_kvcache
 
     _decode_h200_path(monkeypatch)
-    b, hq, hk, d = _DECODE_B, _DECODE_HQ, _DECODE_HK, _DECODE_D
+    b, hk, d = _DECODE_B, _DECODE_HK, _DECODE_D
     args = _decode_inputs("block_table")
     new = torch.randn(b, 1, hk, d).to(torch.bfloat16)
     cos, sin = torch.randn(_DECODE_S + 1, d // 2), torch.randn(_DECODE_S + 1, d // 2)
     appended = dict(args, cache_seqlens=args["cache_seqlens"] - 1)
     contiguous = _decode_inputs("contiguous")
     calls = [
-        dict(args, alibi_slopes=torch.rand(hq)),
-        dict(args, sinks=torch.randn(hq)),
         dict(appended, k=new, v=new),
         dict(appended, k=new, v=new, rotary_cos=cos, rotary_sin=sin),
         dict(contiguous, cache_batch_idx=torch.arange(b, dtype=torch.int32)),

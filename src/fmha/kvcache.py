@@ -396,8 +396,9 @@ def attention_with_kvcache(
         return_lse, lse (B, Hq, Sq) [varlen: (Hq, total_q)] fp32.
     """
     key = None
-    if (k is None and v is None and rotary_cos is None and rotary_sin is None and alibi_slopes is None
-            and sinks is None and cache_batch_idx is None and cu_seqlens_q is None and max_seqlen_q is None
+    if (k is None and v is None and rotary_cos is None and rotary_sin is None
+            and (alibi_slopes is None or type(alibi_slopes) is Tensor) and (sinks is None or type(sinks) is Tensor)
+            and cache_batch_idx is None and cu_seqlens_q is None and max_seqlen_q is None
             and (k_descale is None or type(k_descale) is Tensor) and (v_descale is None or type(v_descale) is Tensor)
             and type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor
             and _plain_index(cache_seqlens, block_table, kv_indptr, kv_indices, kv_last_page_len)
@@ -405,13 +406,13 @@ def attention_with_kvcache(
             and not _reads_values(q.device) and _plain_eager()):
         key = (_meta(q), _meta(k_cache), _meta(v_cache), _meta(cache_seqlens), _meta(block_table),
                _meta(kv_indptr), _meta(kv_indices), _meta(kv_last_page_len), _meta(k_descale), _meta(v_descale),
-               num_splits, scale, causal, window, mask_align, sink_size, softcap)
+               _meta(alibi_slopes), _meta(sinks), num_splits, scale, causal, window, mask_align, sink_size, softcap)
         call_plan = _DECODE_CALL_PLANS.get(key)
         if call_plan is not None:
             indptr_tables = kv_indptr is not None
             out = call_plan.run(q, k_cache, v_cache, kv_last_page_len if indptr_tables else cache_seqlens,
                                 kv_indices if indptr_tables else block_table, kv_indptr,
-                                _descale_view(k_descale), _descale_view(v_descale))
+                                _descale_view(k_descale), _descale_view(v_descale), alibi_slopes, sinks)
             if out is not None:
                 return out if return_lse else out[0]
     call = _checked_call(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
@@ -551,9 +552,10 @@ def _hashable(value) -> bool:
 
 
 class _DecodeCallPlan:
-    """What a validated plain decode call (no new k/v, rotary, ALiBi, sinks, cache batch index or
-    varlen queries; float8 caches too, their descales given as tensors or not at all; CUDA
-    tensors outside debug mode, whose index values the full path does not read either) repeats
+    """What a validated plain decode call (no new k/v, rotary, cache batch index or varlen
+    queries; ALiBi slopes and sinks as tensors or not at all; float8 caches too, their descales
+    given as tensors or not at all; CUDA tensors outside debug mode, whose index values the full
+    path does not read either) repeats
     for inputs of the same metadata and scalars (`attention_with_kvcache`'s key): the outputs'
     shapes, the split count and the launchers' own plans (kernels/kvcache.py). Checks,
     description and dispatch ran for the call that made it; a later call of the same key would
@@ -574,12 +576,13 @@ class _DecodeCallPlan:
         self.runnable = runnable
 
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, table: Tensor | None,
-            indptr: Tensor | None, k_descale: Tensor | None = None,
-            v_descale: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+            indptr: Tensor | None, k_descale: Tensor | None = None, v_descale: Tensor | None = None,
+            alibi_slopes: Tensor | None = None, sinks: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
         """o, lse as the full path computes them; None where the plan may not run (another
         dispatcher state, or a launcher plan that may not launch now): then the full path runs.
         lengths: cache_seqlens, or kv_last_page_len with indptr tables; table: block_table or
-        kv_indices; a float8 cache's descales as the kernels take them (`_descale_view`)."""
+        kv_indices; a float8 cache's descales as the kernels take them (`_descale_view`); ALiBi
+        slopes (Hq,) or (B, Hq) and sinks as the call gives them."""
         dispatcher = get_dispatcher()
         if (dispatcher is not self.dispatcher or _dispatch_state(dispatcher) != self.dispatch_state
                 or not self.runnable(*self.launches)):
@@ -587,15 +590,19 @@ class _DecodeCallPlan:
         # (no device guard: `runnable` found the current device to be the plans', q's device)
         o = q.new_empty(self.o_shape)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if alibi_slopes is not None and alibi_slopes.dim() == 1:  # (Hq,) -> (1, Hq), as the full path
+            alibi_slopes = alibi_slopes[None]
         if self.combine is None:
-            self.attention.launch(q, k_cache, v_cache, o, lse, lengths, table, indptr, k_descale, v_descale)
+            self.attention.launch(q, k_cache, v_cache, o, lse, lengths, table, indptr, k_descale, v_descale, None,
+                                  alibi_slopes, sinks)
             return o, lse
         splits, head_dim_v = self.splits, self.o_shape[-1]
         # partial results (splits, B, Hq, Sq, Dv): lse's rows (the queries are not packed here)
         o_parts = torch.empty((splits, *self.lse_shape, head_dim_v), dtype=torch.float32, device=q.device)
         lse_parts = torch.empty((splits, *self.lse_shape), dtype=torch.float32, device=q.device)
-        self.attention.launch(q, k_cache, v_cache, o_parts, lse_parts, lengths, table, indptr, k_descale, v_descale)
-        self.combine.launch(o_parts.view(splits, -1, head_dim_v), lse_parts.view(splits, -1), o, lse)
+        self.attention.launch(q, k_cache, v_cache, o_parts, lse_parts, lengths, table, indptr, k_descale, v_descale,
+                              None, alibi_slopes, sinks)
+        self.combine.launch(o_parts.view(splits, -1, head_dim_v), lse_parts.view(splits, -1), o, lse, sinks)
         return o, lse
 
 

@@ -525,19 +525,19 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
     results whose rows flatten to (b * Hq + h) * Sq + i [h * total_q + i], as
     `launch_combine` reads them.
 
-    Returns the launch plan this call ran or made (the plain decode; None otherwise):
-    `Planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale)`
-    repeats it, lengths being seqlens_k, or kv_last_page_len with kv_indptr (the descales: as
-    given here, views of the same shapes and strides, or None).
+    Returns the launch plan this call ran or made (None with packed varlen queries):
+    `Planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale,
+    cache_batch_idx, alibi_slopes, sinks)` repeats it (the last three may be left out where the call
+    had none), lengths being seqlens_k, or kv_last_page_len with kv_indptr (the descales, index and
+    ALiBi slopes: as given here, views of the same shapes and strides, or None).
     """
     varlen = cu_seqlens_q is not None
     # the kernel's SeqlensK: the key counts, or kv_last_page_len with indptr tables
     lengths = kv_last_page_len if kv_indptr is not None else seqlens_k
     if lengths is None:
         raise ValueError("launch_attention needs seqlens_k, or kv_last_page_len with kv_indptr")
-    key = None  # a plan (launch_cache) for the plain decode: no ALiBi, sinks, batch index or varlen
-    if (alibi_slopes is None and sinks is None and cache_batch_idx is None and not varlen
-            and launch_cache.plans_enabled(splitkv_kernel)):
+    key = None  # a plan (launch_cache) for the queries of a padded batch (not packed varlen ones)
+    if not varlen and launch_cache.plans_enabled(splitkv_kernel):
         tables = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) if t is not None else None
                        for t in (block_table, kv_indptr))
         # float8 caches: the descales' shapes and strides (their strides are the kernel's), and
@@ -548,11 +548,13 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
                o.stride(), lse.shape, lse.stride(), q.dtype, k_cache.dtype, v_cache.dtype, o.dtype, lse.dtype,
                lengths.dtype, q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0,
                o.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, lengths.data_ptr() % 16 == 0, tables, fp8,
+               _optional_meta(cache_batch_idx, alibi_slopes, sinks),
                launch_cache.current_device(), num_splits, scale, softcap, window, sink_size, align_bottom_right,
                block_m, block_n, num_warps, num_stages, dot_precision, PDL)
         planned = _ATTENTION_PLANS.get(key)
         if planned is not None:
-            planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale)
+            planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale,
+                           cache_batch_idx, alibi_slopes, sinks)
             return planned
     if varlen:
         batch, seqlen_q = cu_seqlens_q.numel() - 1, max_seqlen_q
@@ -598,7 +600,7 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
         num_warps=num_warps, num_stages=num_stages, **_fp8_flags(k_cache, q.dtype),
         LAUNCH_DEPENDENTS=split and _pdl(q),
     )
-    return launch_cache.keep(_ATTENTION_PLANS, key, plan, splitkv_kernel, tail, _plain_attention_tensors)
+    return launch_cache.keep(_ATTENTION_PLANS, key, plan, splitkv_kernel, tail, _planned_attention_tensors)
 
 
 def _attention_tensors(q, k_cache, v_cache, o, lse, lengths, alibi_slopes, sinks, block_table, kv_indptr,
@@ -614,11 +616,17 @@ def _attention_tensors(q, k_cache, v_cache, o, lse, lengths, alibi_slopes, sinks
             given(cache_batch_idx), lengths, given(cu_seqlens_q), given(k_descale), given(v_descale))
 
 
-def _plain_attention_tensors(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale=None,
-                             v_descale=None) -> tuple:
-    """`_attention_tensors` of the plain decode (no ALiBi, sinks, batch index or varlen queries)."""
-    return _attention_tensors(q, k_cache, v_cache, o, lse, lengths, None, None, block_table, kv_indptr, None, None,
-                              k_descale, v_descale)
+def _planned_attention_tensors(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale=None,
+                             v_descale=None, cache_batch_idx=None, alibi_slopes=None, sinks=None) -> tuple:
+    """`_attention_tensors` of a planned call (no packed varlen queries), in `Planned.launch`'s order."""
+    return _attention_tensors(q, k_cache, v_cache, o, lse, lengths, alibi_slopes, sinks, block_table, kv_indptr,
+                              cache_batch_idx, None, k_descale, v_descale)
+
+
+def _optional_meta(*tensors) -> tuple:
+    """A plan key's part for optional tensors (index, ALiBi slopes, sinks): what the launch takes
+    of each (its strides, dtype and alignment; None where absent)."""
+    return tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) if t is not None else None for t in tensors)
 
 
 _ATTENTION_PLANS = launch_cache.plan_table()
@@ -701,18 +709,18 @@ def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sink
     o is addressed as (B, Sq, H, D) [strides of o.permute], lse as (B, H, Sq).
     block_m: the most rows a program merges; a program reads up to COMBINE_PARTS partials of its
     rows at once (`combine_tile`).
-    Returns the launch plan this call ran or made (without sinks; None otherwise):
-    `Planned.launch(o_parts, lse_parts, o, lse)` repeats it.
+    Returns the launch plan this call ran or made: `Planned.launch(o_parts, lse_parts, o, lse, sinks)`
+    repeats it (sinks left out where the call had none).
     """
     key = None
-    if sinks is None and launch_cache.plans_enabled(combine_kernel):
+    if launch_cache.plans_enabled(combine_kernel):
         key = (o_parts.shape, o_parts.stride(), lse_parts.shape, lse_parts.stride(), o.shape, o.stride(), lse.shape,
                lse.stride(), o_parts.dtype, o.dtype, o_parts.data_ptr() % 16 == 0, lse_parts.data_ptr() % 16 == 0,
-               o.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, launch_cache.current_device(), nheads, seqlen,
-               block_m, num_warps, PDL)
+               o.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, _optional_meta(sinks), launch_cache.current_device(),
+               nheads, seqlen, block_m, num_warps, PDL)
         planned = _COMBINE_PLANS.get(key)
         if planned is not None:
-            planned.launch(o_parts, lse_parts, o, lse)
+            planned.launch(o_parts, lse_parts, o, lse, sinks)
             return planned
     n_parts, n_rows, head_dim = o_parts.shape
     if n_rows == 0:
@@ -728,12 +736,12 @@ def launch_combine(o_parts, lse_parts, o, lse, *, nheads: int, seqlen: int, sink
         HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_D=padded_dim(head_dim), BLOCK_S=block_s,
         WAIT_PRIOR=pdl, num_warps=num_warps, launch_pdl=pdl,
     )
-    return launch_cache.keep(_COMBINE_PLANS, key, plan, combine_kernel, tail, _combine_tensors_without_sinks)
+    return launch_cache.keep(_COMBINE_PLANS, key, plan, combine_kernel, tail, _combine_tensors)
 
 
-def _combine_tensors_without_sinks(o_parts, lse_parts, o, lse) -> tuple:
-    """combine_kernel's tensors without sinks (lse in the unused place)."""
-    return o_parts, lse_parts, o, lse, lse
+def _combine_tensors(o_parts, lse_parts, o, lse, sinks=None) -> tuple:
+    """combine_kernel's tensors (lse in the place of absent sinks)."""
+    return o_parts, lse_parts, o, lse, sinks if sinks is not None else lse
 
 
 def launch_rotary_append(src, dst, *, base, cos=None, sin=None, interleaved=False, block_table=None,

@@ -49,7 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from . import launch_cache
-from .kvcache import F16_P_SHIFT, _descale_strides, _paging
+from .kvcache import F16_P_SHIFT, _descale_strides, _optional_meta, _paging
 from .launch_args import alibi_strides, unit_descale
 
 HEAD_DIM = gl.constexpr(128)
@@ -390,26 +390,26 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
     `fp8_decode` signature): q (B, Sq, Hq, 128) fp16/bf16 with Sq * Hq / Hk <= 16 (no packed
     varlen queries); caches (B_cache, S, Hk, 128) or pages, float8; o, lse final (one split:
     (B, Sq, Hq, 128), (B, Hq, Sq)) or partials ((splits, B, Hq, Sq, 128) fp32, (splits, B, Hq, Sq)).
-    Returns the launch plan this call ran or made (the call without ALiBi, sinks or batch index;
-    None otherwise), `Planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table,
-    kv_indptr, k_descale, v_descale)` repeating it."""
+    Returns the launch plan this call ran or made, `Planned.launch(q, k_cache, v_cache, o, lse,
+    lengths, block_table, kv_indptr, k_descale, v_descale, cache_batch_idx, alibi_slopes, sinks)`
+    repeating it (the last three may be left out where the call had none)."""
     _check_scope(_triton_only)
     # the kernel's SeqlensK: the key counts, or kv_last_page_len with indptr tables
     lengths = kv_last_page_len if kv_indptr is not None else seqlens_k
     key = None
-    if (cache_batch_idx is None and alibi_slopes is None and sinks is None
-            and launch_cache.plans_enabled(decode_fp8_kernel)):
+    if launch_cache.plans_enabled(decode_fp8_kernel):
         tables = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) if t is not None else None
                        for t in (block_table, kv_indptr))
         key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
                k_cache.dtype, o.shape, o.stride(), o.dtype, lse.shape, lse.stride(),
                tuple((d.shape, d.stride()) if d is not None else None for d in (k_descale, v_descale)),
                lengths.dtype, tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, o, lse, lengths)), tables,
-               launch_cache.current_device(), num_splits, scale, softcap, window, sink_size, align_bottom_right,
-               block_n, num_stages)
+               _optional_meta(cache_batch_idx, alibi_slopes, sinks), launch_cache.current_device(), num_splits,
+               scale, softcap, window, sink_size, align_bottom_right, block_n, num_stages)
         planned = _PLANS.get(key)
         if planned is not None:
-            planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale)
+            planned.launch(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale,
+                           cache_batch_idx, alibi_slopes, sinks)
             return planned
     batch, seqlen_q, nheads_q, _ = q.shape
     nheads_k = k_cache.shape[2]
@@ -456,8 +456,8 @@ def _check_scope(args: dict) -> None:
 
 def _tensors(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale,
              cache_batch_idx=None, alibi_slopes=None, sinks=None) -> tuple:
-    """decode_fp8_kernel's leading (tensor) arguments (an absent descale is 1; `lengths` stands in
-    for the other absent tensors; a plan's repeat passes the first ten)."""
+    """decode_fp8_kernel's leading (tensor) arguments, in `Planned.launch`'s order (an absent descale
+    is 1; `lengths` stands in for the other absent tensors)."""
     one = None if k_descale is not None and v_descale is not None else unit_descale(q.device)
     rest = tuple(t if t is not None else lengths
                  for t in (cache_batch_idx, block_table, kv_indptr, alibi_slopes, sinks))
