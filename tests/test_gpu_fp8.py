@@ -439,6 +439,11 @@ def test_gluon_fp8_decode_masks_and_scores_match_the_truth(rng, case, paged):
                   **features)
         assert _gluon_decode_chosen(q, kc, vc, **kw), fmha.explain_kvcache(q, kc, vc, **kw)
         o, lse = fmha.attention_with_kvcache(q, kc, vc, return_lse=True, **kw)
+        # the same call on copies (the call plan's path, ALiBi slopes and sinks too): the same result
+        again = dict(kw, alibi_slopes=None if slopes is None else slopes.clone(),
+                     sinks=None if sinks is None else sinks.clone())
+        o2, lse2 = fmha.attention_with_kvcache(q.clone(), kc, vc, return_lse=True, **again)
+        assert torch.equal(o2, o) and torch.equal(lse2, lse)
         if sinks is None:  # no keys, no sink: zeros and -inf
             assert torch.equal(o[0], torch.zeros_like(o[0])) and bool((lse[0] == float("-inf")).all())
         for b in range(0 if sinks is not None else 1, B):
