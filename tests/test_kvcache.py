@@ -183,6 +183,31 @@ def test_bad_kvcache_input_names_the_argument(rng, bad, message):
         fmha.attention_with_kvcache(q, kc, vc, **kw)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("mask", [dict(window=(40, 0), sink_size=5),
+                                  dict(window=(30, 20), mask_align="top_left", sink_size=70),
+                                  dict(causal=True)])
+def test_splits_take_the_key_tiles_a_mask_shows(rng, num_splits, mask):
+    """The splits divide the key tiles the rows see (sink tokens left of a window, the window, sink
+    tokens right of it), not [0, len_k): whatever the split count, each visible key counts once."""
+    q = randn((2, 3, 4, 16), torch.float32, rng)
+    kc, vc = randn((2, 200, 2, 16), torch.float32, rng), randn((2, 200, 2, 16), torch.float32, rng)
+    check(q, kc, vc, cache_seqlens=torch.tensor([200, 77], dtype=torch.int32), num_splits=num_splits, **mask)
+
+
+def test_the_split_policy_counts_the_keys_a_window_shows():
+    """num_splits=0 with a window: the policy splits the keys the window shows (left + queries +
+    right + sink tokens), not the cache's capacity: a 128-key window over 32k keys is one split."""
+    from fmha.problem import Problem
+
+    dispatcher = fmha.Dispatcher(fmha.default_registry())
+    problem = Problem(batch=8, nhead_q=32, nhead_k=8, seqlen_q=1, seqlen_k=32768, head_dim_qk=128, head_dim_v=128,
+                      arch="sm90", seqused_k=True)
+    splits = [dispatcher.num_splits(problem.with_(window=window, sink_size=sink), 132, 16, 64)
+              for window, sink in (((-1, -1), 0), ((-1, 0), 0), ((127, 0), 0), ((127, 0), 32768))]
+    assert splits[0] == splits[1] == splits[3] > 1 and splits[2] == 1, splits
+
+
 def test_sink_tokens_reach_queries_that_the_causal_window_hides(rng):
     """Bottom-right causal with more queries than keys: the first rows see only sink tokens."""
     q, kc, vc, bt = paged_case(rng, seqlen_q=20, pages_per_seq=2)

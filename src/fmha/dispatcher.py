@@ -182,7 +182,9 @@ class Dispatcher:
     def num_splits(self, problem: Problem, sm_count: int, block_m: int, block_n: int, programs_per_sm: int = 0) -> int:
         """Split-KV count for a KV-cache problem by `self.split_policy`. Programs are
         batch x KV heads x packed query tiles (the query heads of one KV head share a tile);
-        seqlen_k is the problem's (a capacity or an estimate: lengths stay on the device).
+        the keys are seqlen_k (a capacity or an estimate: lengths stay on the device), or with a
+        window's left edge at most left + seqlen_q + right + sink_size (the kernels split the
+        keys a window shows, not the whole cache).
         programs_per_sm: the kernel's (its config's `Algorithm.programs_per_sm`) instead of the
         policy's, when > 0."""
         group = problem.nhead_q // problem.nhead_k
@@ -190,7 +192,11 @@ class Dispatcher:
         policy = self.split_policy
         if programs_per_sm and programs_per_sm != policy.programs_per_sm:
             policy = replace(policy, programs_per_sm=programs_per_sm)
-        return _cached_splits(policy, programs, -(-problem.seqlen_k // block_n), sm_count)
+        keys = problem.seqlen_k
+        left, right = problem.window
+        if left >= 0:
+            keys = min(keys, left + problem.seqlen_q + max(right, 0) + problem.sink_size)
+        return _cached_splits(policy, programs, -(-keys // block_n), sm_count)
 
     def _plan(self, problem: Problem, families: Sequence[Family]) -> Plan:
         launches = []

@@ -259,11 +259,6 @@ def splitkv_kernel(
     if F16_DOTS:
         q_dot, q_unscale = _q_in_f16(q)
         scale = scale * q_unscale
-    # Keys of this split: block-aligned slices of [0, len_k). Every key tile below starts
-    # at a multiple of BLOCK_N (s_lo, lo and main_end are), which PAGE_PER_TILE relies on.
-    chunk = tl.cdiv(tl.cdiv(len_k, num_splits), BLOCK_N) * BLOCK_N
-    s_lo = split * chunk
-    s_hi = tl.minimum(s_lo + chunk, len_k)
     m_lo = (pid_m * BLOCK_M) // group_size
     m_hi = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, packed) - 1) // group_size + 1
     lo, hi = key_range(m_lo, m_hi, len_k, diag_offset, window_left, window_right,
@@ -271,25 +266,30 @@ def splitkv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # Three key ranges, each cut to the split: sink tokens left of the window, the window,
-    # sink tokens right of the window's last block.
-    w_start = tl.maximum(lo, s_lo)
-    w_end = tl.minimum(hi, s_hi)
-    main_end = w_start + tl.cdiv(tl.maximum(w_end - w_start, 0), BLOCK_N) * BLOCK_N
+    # The key tiles these rows see, in three ranges: sink tokens left of the window, the window
+    # [lo, hi), sink tokens right of the window's last tile. The splits take equal runs of these
+    # tiles (so a window's keys, not [0, len_k), are what is split; without a mask, the same
+    # BLOCK_N-aligned slices as before). Every tile starts at a multiple of BLOCK_N (lo and
+    # main_end are), which PAGE_PER_TILE relies on.
+    n_win = tl.cdiv(hi - lo, BLOCK_N)
+    main_end = lo + n_win * BLOCK_N
+    n_sink0 = 0
+    n_sink2 = 0
+    if HAS_SINK_TOKENS:
+        n_sink0 = tl.cdiv(tl.minimum(tl.minimum(sink_size, lo), len_k), BLOCK_N)
+        n_sink2 = tl.cdiv(tl.maximum(tl.minimum(sink_size, len_k) - main_end, 0), BLOCK_N)
+    chunk = tl.cdiv(n_sink0 + n_win + n_sink2, num_splits)
+    t_lo = split * chunk  # this split's tiles: t_lo .. t_lo + chunk - 1 of the three ranges'
     for part in tl.static_range(3):
         if part == 0:
-            start = s_lo
-            end = s_lo
-            if HAS_SINK_TOKENS:
-                end = tl.minimum(tl.minimum(sink_size, lo), s_hi)
+            first, count, base = 0, n_sink0, 0
         elif part == 1:
-            start = w_start
-            end = w_end
+            first, count, base = n_sink0, n_win, lo
         else:
-            start = main_end
-            end = main_end
-            if HAS_SINK_TOKENS:
-                end = tl.minimum(sink_size, s_hi)
+            first, count, base = n_sink0 + n_win, n_sink2, main_end
+        a = tl.minimum(tl.maximum(t_lo - first, 0), count)
+        start = base + a * BLOCK_N
+        end = base + tl.maximum(tl.minimum(t_lo + chunk - first, count), a) * BLOCK_N
         # Page ids are loaded one tile ahead (carried through the loop), so the K/V loads
         # of a tile depend on no load of their own iteration and the software pipeline
         # runs as deep for a paged cache as for a contiguous one.
