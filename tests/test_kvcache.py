@@ -206,6 +206,10 @@ def test_the_split_policy_counts_the_keys_a_window_shows():
     splits = [dispatcher.num_splits(problem.with_(window=window, sink_size=sink), 132, 16, 64)
               for window, sink in (((-1, -1), 0), ((-1, 0), 0), ((127, 0), 0), ((127, 0), 32768))]
     assert splits[0] == splits[1] == splits[3] > 1 and splits[2] == 1, splits
+    q, cache = torch.zeros((2, 1, 4, 16)), torch.zeros((2, 64, 2, 16))
+    text = fmha.explain_kvcache(q, cache, cache, cache_seqlens=torch.full((2,), 64, dtype=torch.int32), window=(7, 0))
+    splits_line = next(line for line in text.splitlines() if line.startswith("key splits: "))
+    assert splits_line.endswith("over the 8 keys the window shows of 64)"), text
 
 
 def test_sink_tokens_reach_queries_that_the_causal_window_hides(rng):

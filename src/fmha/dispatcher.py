@@ -114,6 +114,15 @@ def _cached_splits(policy: SplitPolicy, programs: int, key_tiles: int, sm_count:
     return policy.splits(programs, key_tiles, sm_count)
 
 
+def split_keys(problem: Problem) -> int:
+    """The keys a row block of a KV-cache problem reads, as the split policy counts them:
+    seqlen_k, or with a window's left edge at most left + seqlen_q + right + sink_size."""
+    left, right = problem.window
+    if left < 0:
+        return problem.seqlen_k
+    return min(problem.seqlen_k, left + problem.seqlen_q + max(right, 0) + problem.sink_size)
+
+
 class Dispatcher:
     def __init__(self, registry: Registry | None = None, heuristic: Heuristic | None = None,
                  tuning: TuningDB | None = None, split_policy: SplitPolicy | None = None):
@@ -192,11 +201,7 @@ class Dispatcher:
         policy = self.split_policy
         if programs_per_sm and programs_per_sm != policy.programs_per_sm:
             policy = replace(policy, programs_per_sm=programs_per_sm)
-        keys = problem.seqlen_k
-        left, right = problem.window
-        if left >= 0:
-            keys = min(keys, left + problem.seqlen_q + max(right, 0) + problem.sink_size)
-        return _cached_splits(policy, programs, -(-keys // block_n), sm_count)
+        return _cached_splits(policy, programs, -(-split_keys(problem) // block_n), sm_count)
 
     def _plan(self, problem: Problem, families: Sequence[Family]) -> Plan:
         launches = []

@@ -33,7 +33,7 @@ import torch
 from . import validation as V
 from .api import _algorithm_args, _arch_of, _device_guard, _meta, _plain_eager, get_dispatcher
 from .configs import Family
-from .dispatcher import Dispatcher
+from .dispatcher import Dispatcher, split_keys
 from .kernels.gluon_common import tma_aligned
 from .kernels.launch_args import unit_descale
 from .kernels.loader import family_module
@@ -506,8 +506,10 @@ def explain_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, **kwargs) -> st
     splits = decode.splits
     plan = dispatcher.plan_kvcache(call.problem, append=append, num_splits=splits)
     per_sm = plan.config(Family.FWD_SPLITKV).algorithm.programs_per_sm
+    keys = split_keys(call.problem)
     how = f"num_splits={forced}" if forced else f"the split policy's, {dispatcher.split_policy}" + (
-        f", counting this kernel's {per_sm} programs an SM" if per_sm else "")
+        f", counting this kernel's {per_sm} programs an SM" if per_sm else "") + (
+        f", over the {keys} keys the window shows of {call.problem.seqlen_k}" if keys < call.problem.seqlen_k else "")
     lines = [plan.describe(), f"key splits: {splits} ({how})"]
     if call.problem.kv_fp8:
         module = family_module(decode.attention_module, interpreted=q.device.type == "cpu"
