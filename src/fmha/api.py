@@ -233,8 +233,7 @@ def _kernel_args(prep: _Prepared, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k
     return dict(
         batch=p.batch, max_seqlen_q=p.seqlen_q, max_seqlen_k=p.seqlen_k,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-        bias=_expand_bias(bias, shape), alibi_slopes=None if alibi_slopes is None else (
-            alibi_slopes[None] if alibi_slopes.dim() == 1 else alibi_slopes),
+        bias=_expand_bias(bias, shape), alibi_slopes=V.alibi_rows(alibi_slopes),
         scale=prep.scale, softcap=p.softcap, window=p.window, sink_size=p.sink_size,
         align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT, dropout_p=p.dropout_p,
         seed=seed, offset=offset,

@@ -430,7 +430,7 @@ def attention_with_kvcache(
     splits = plan.splits
     kernels = family_module("kvcache", interpreted=q.device.type == "cpu")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    alibi2 = None if alibi_slopes is None else (alibi_slopes[None] if alibi_slopes.dim() == 1 else alibi_slopes)
+    alibi2 = V.alibi_rows(alibi_slopes)
     pages = dict(block_table=cache.table, kv_indptr=cache.indptr)  # block_table, or kv_indices + kv_indptr
     varlen = dict(cu_seqlens=qs.cu_seqlens_q, max_seqlen=seqlen_q) if qs.varlen else {}
 
@@ -592,8 +592,7 @@ class _DecodeCallPlan:
         # (no device guard: `runnable` found the current device to be the plans', q's device)
         o = q.new_empty(self.o_shape)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        if alibi_slopes is not None and alibi_slopes.dim() == 1:  # (Hq,) -> (1, Hq), as the full path
-            alibi_slopes = alibi_slopes[None]
+        alibi_slopes = V.alibi_rows(alibi_slopes)  # (Hq,) -> (1, Hq), as the full path
         if self.combine is None:
             self.attention.launch(q, k_cache, v_cache, o, lse, lengths, table, indptr, k_descale, v_descale, None,
                                   alibi_slopes, sinks)

@@ -171,6 +171,13 @@ def check_alibi(alibi_slopes, batch: int, nhead_q: int, device) -> torch.Tensor 
     if tuple(alibi_slopes.shape) not in ((nhead_q,), (batch, nhead_q)):
         raise ValueError(f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; accepted: "
                          f"({nhead_q},) or ({batch}, {nhead_q})")
+    return alibi_rows(alibi_slopes)
+
+
+def alibi_rows(alibi_slopes: torch.Tensor | None) -> torch.Tensor | None:
+    """Checked ALiBi slopes as the kernels take them: a 2-d (1 or B, Hq) view of (Hq,) or (B, Hq)."""
+    if alibi_slopes is None:
+        return None
     return alibi_slopes[None] if alibi_slopes.dim() == 1 else alibi_slopes
 
 

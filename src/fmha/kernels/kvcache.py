@@ -538,8 +538,7 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
         raise ValueError("launch_attention needs seqlens_k, or kv_last_page_len with kv_indptr")
     key = None  # a plan (launch_cache) for the queries of a padded batch (not packed varlen ones)
     if not varlen and launch_cache.plans_enabled(splitkv_kernel):
-        tables = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) if t is not None else None
-                       for t in (block_table, kv_indptr))
+        tables = _optional_meta(block_table, kv_indptr)
         # float8 caches: the descales' shapes and strides (their strides are the kernel's), and
         # the conversion's switches (module constants a test may change)
         fp8 = (tuple((d.shape, d.stride(), d.dtype) if d is not None else None for d in (k_descale, v_descale)),
@@ -617,15 +616,15 @@ def _attention_tensors(q, k_cache, v_cache, o, lse, lengths, alibi_slopes, sinks
 
 
 def _planned_attention_tensors(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale=None,
-                             v_descale=None, cache_batch_idx=None, alibi_slopes=None, sinks=None) -> tuple:
+                               v_descale=None, cache_batch_idx=None, alibi_slopes=None, sinks=None) -> tuple:
     """`_attention_tensors` of a planned call (no packed varlen queries), in `Planned.launch`'s order."""
     return _attention_tensors(q, k_cache, v_cache, o, lse, lengths, alibi_slopes, sinks, block_table, kv_indptr,
                               cache_batch_idx, None, k_descale, v_descale)
 
 
 def _optional_meta(*tensors) -> tuple:
-    """A plan key's part for optional tensors (index, ALiBi slopes, sinks): what the launch takes
-    of each (its strides, dtype and alignment; None where absent)."""
+    """A plan key's part for optional tensors (page tables, index, ALiBi slopes, sinks): what the
+    launch takes of each (its strides, dtype and alignment; None where absent)."""
     return tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) if t is not None else None for t in tensors)
 
 

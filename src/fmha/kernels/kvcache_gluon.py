@@ -398,8 +398,7 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
     lengths = kv_last_page_len if kv_indptr is not None else seqlens_k
     key = None
     if launch_cache.plans_enabled(decode_fp8_kernel):
-        tables = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) if t is not None else None
-                       for t in (block_table, kv_indptr))
+        tables = _optional_meta(block_table, kv_indptr)
         key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
                k_cache.dtype, o.shape, o.stride(), o.dtype, lse.shape, lse.stride(),
                tuple((d.shape, d.stride()) if d is not None else None for d in (k_descale, v_descale)),
