@@ -158,7 +158,7 @@ def test_kernels_explain_names_the_selected_config(capsys):
 def test_kernels_explain_any_family(capsys):
     """--family: the KV-cache families take the problem as attention_with_kvcache builds it (bshd,
     key counts on the device, --paged-kv, --fp8-kv-cache); the float8 cache's decode is the Gluon
-    one at D=128 on sm90 and elsewhere skips the 64-key Triton tile. The cache flags with a dense
+    one at D=64, 128 and 256 on sm90 and elsewhere (D=96) skips the 64-key Triton tile. The cache flags with a dense
     family are refused (exit 2)."""
     decode = ["--arch", "sm90", "--dtype", "bf16", "-b", "32", "--nhead-q", "32", "--nhead-k", "8", "--seqlen-q", "1",
               "--seqlen-k", "8192", "--hdim-q", "128"]
@@ -167,9 +167,13 @@ def test_kernels_explain_any_family(capsys):
     assert code == 0 and "family: fwd_splitkv" in out and "fp8_kv_cache paged_kv seqused_k" in out
     assert "selected: fwd_splitkv_fp16-bf16_d128-128_sm90_gluon_m16n32w1s3" in out
     code, out, _ = run(capsys, "kernels", "explain", "--family", "fwd_splitkv", "--fp8-kv-cache", "--paged-kv",
-                       *decode[:-1], "64")
+                       *decode[:-1], "96")
     assert code == 0 and "selected: fwd_splitkv_fp16-bf16_d1-128_cuda_triton_m16n128w4s3" in out
     assert "passed over by the default selection: float8 KV cache" in out
+    for head_dim, tile in (("64", "d64-64_sm90_gluon_m16n32w1s3"), ("256", "d256-256_sm90_gluon_m16n16w1s3")):
+        code, out, _ = run(capsys, "kernels", "explain", "--family", "fwd_splitkv", "--fp8-kv-cache", *decode[:-1],
+                           head_dim)
+        assert code == 0 and f"selected: fwd_splitkv_fp16-bf16_{tile}" in out, out
     code, out, _ = run(capsys, "kernels", "explain", "--family", "fwd_splitkv", *decode)
     assert code == 0 and "selected: fwd_splitkv_fp16-bf16_d1-128_cuda_triton_m16n64w4s3" in out
     code, out, _ = run(capsys, "kernels", "explain", "--family", "bwd_dq_dk_dv", "--arch", "sm90", "--dtype", "bf16",

@@ -500,37 +500,45 @@ def test_bf16_queries_over_a_float8_cache_take_fp16_products():
 _ALL_DECODE_FEATURES = dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SINK_TOKENS=True, HAS_SOFTCAP=True, HAS_ALIBI=True)
 
 
-@pytest.mark.parametrize("q_dtype, cache, page_size, features", [
-    ("bf16", "fp8e4nv", 0, {}), ("fp16", "fp8e5", 0, {}), ("bf16", "fp8e4nv", 64, {}), ("bf16", "fp8e4nv", 16, {}),
-    ("fp16", "fp8e4nv", 48, {}), ("bf16", "fp8e4nv", 0, _ALL_DECODE_FEATURES),
-    ("bf16", "fp8e4nv", 16, _ALL_DECODE_FEATURES)])
+@pytest.mark.parametrize("q_dtype, cache, page_size, features, head_dim", [
+    ("bf16", "fp8e4nv", 0, {}, 128), ("fp16", "fp8e5", 0, {}, 128), ("bf16", "fp8e4nv", 64, {}, 128),
+    ("bf16", "fp8e4nv", 16, {}, 128), ("fp16", "fp8e4nv", 48, {}, 128),
+    ("bf16", "fp8e4nv", 0, _ALL_DECODE_FEATURES, 128),
+    ("bf16", "fp8e4nv", 16, _ALL_DECODE_FEATURES, 128), ("bf16", "fp8e4nv", 0, {}, 64), ("bf16", "fp8e4nv", 16, {}, 64),
+    ("bf16", "fp8e4nv", 0, {}, 256), ("fp16", "fp8e5", 64, _ALL_DECODE_FEATURES, 256)])
 @pytest.mark.parametrize("split", [True, False])
 def test_gluon_fp8_decode_copies_16_bytes_and_feeds_the_products_from_registers(q_dtype, cache, page_size, features,
-                                                                               split):
-    """The Gluon fp8 decode (kernels/kvcache_gluon.py) compiled for sm_90 at the registry's tile (32
-    keys, 3 stages, one warp), contiguous or over pages of 64 keys (one page id a tile), 16 (one a
-    row, a shift) or 48 (a division), plain or with every mask and score feature: K and V reach
-    shared memory by 16-byte cp.async only (2 x 16 a tile, two tiles ahead), each lane reads its
-    bytes back by 16-byte shared loads straight into the mma operands (fp16 m16n8k16: 32 for S, 32
-    for P V a tile), and nothing else is stored to shared memory but q's one conversion: no 16-bit
-    copy of V. A paged build reads 32-bit page ids."""
+                                                                               head_dim, split):
+    """The Gluon fp8 decode (kernels/kvcache_gluon.py) compiled for sm_90 at the registry's tiles (32
+    keys at D=64 and 128, 16 at D=256; 3 stages, one warp), contiguous or over pages of 64 keys (one
+    page id a tile), 16 (one a row, a shift) or 48 (a division), plain or with every mask and score
+    feature: K and V reach shared memory by 16-byte cp.async only (a tile's bytes / 16 a warp, two
+    tiles ahead), each lane reads its bytes back by 16-byte (V at D=64: 8-byte) shared loads straight
+    into the mma operands (fp16 m16n8k16: 32 for S and 32 for P V a 4 KB tile), and nothing else is
+    stored to shared memory but q's one conversion: no 16-bit copy of V. A paged build reads 32-bit
+    page ids."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from fmha.kernels import kvcache_gluon
 
-    signature, constexprs, options = kvcache_gluon.compile_spec(q_dtype, 32, 3, cache=cache, split=split,
-                                                                page_size=page_size, **features)
+    block_n = {64: 32, 128: 32, 256: 16}[head_dim]
+    tile = block_n * head_dim  # bytes of K (and of V) a tile
+    signature, constexprs, options = kvcache_gluon.compile_spec(q_dtype, block_n, 3, cache=cache, split=split,
+                                                                page_size=page_size, head_dim=head_dim, **features)
     pointers = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
     ptx = triton.compile(GluonASTSource(kvcache_gluon.decode_fp8_kernel, signature, constexprs, pointers),
                          target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-    copies = re.findall(r"cp\.async\.cg\.shared\.global(?:\.L2::\w+)? \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+|\d+)", ptx)
-    assert len(copies) == 3 * 16 and set(copies) <= {"0x10", "16"}, copies  # 2 tiles ahead + 1 in the loop
-    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", ptx)) == 64
+    copies = re.findall(r"cp\.async\.\w+\.shared\.global(?:\.L2::\w+)? \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+|\d+)", ptx)
+    assert len(copies) == 3 * 2 * tile // 512 and set(copies) <= {"0x10", "16"}, copies  # 2 tiles ahead + 1
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", ptx)) == 64 * tile // 4096
     shared = collections.Counter(re.findall(r"\b((?:ld|st)\.shared(?:\.v\d)?\.[bu]\d+)", ptx))
-    assert shared["ld.shared.v4.b32"] >= 16, shared  # K's 8 and V's 8 a tile
-    assert sum(n for op, n in shared.items() if op.startswith("st.")) <= 8, shared  # q's conversion alone
+    q_stores = head_dim // 16  # q's conversion: 16 rows x D fp16 a warp
+    assert shared["st.shared.v4.b32"] == q_stores and sum(n for op, n in shared.items() if op.startswith("st.")) \
+        == q_stores, shared
+    # K's and V's bytes of a tile over 32 lanes, besides q's conversion (as many 16-byte loads as stores)
+    assert 16 * (shared["ld.shared.v4.b32"] - q_stores) + 8 * shared["ld.shared.v2.b32"] == 2 * tile // 32, shared
     assert not re.search(r"ld\.global(?:\.\w+)*\.(?:b8|u8)\b", ptx)
     words = len(re.findall(r"ld\.global(?:\.\w+)*\.b32\b", ptx))  # the length, 2 descales (and page ids)
     assert words == 3 + 2 * bool(features) if page_size == 0 else words > 3, words  # (+ a lane's 2 rows' ALiBi slopes)

@@ -593,6 +593,8 @@ def test_gluon_fp8_kernel_compiles_for_sm90(tmp_path, monkeypatch):
     (Family.FWD, dict(num_warps=8), "num_warps 4"),
     (Family.BWD_DQ_DK_DV, dict(block_n=32), "64 queries against 128 keys on 8 compute warps"),
     (Family.BWD_DQ_DK_DV, dict(pipeline=Pipeline.GLUON_WS_PINGPONG), "64 queries against 64 keys"),
+    (Family.FWD_SPLITKV, dict(block_n=64), r"2 or 4 KB of keys \(block_n >= 16"),  # 8 KB at D=128
+    (Family.FWD_SPLITKV, dict(num_warps=4), "num_warps 1"),
 ])
 def test_gluon_configs_outside_the_kernels_shapes_are_refused(family, change, message):
     """An edited Gluon config (e.g. from an exported registry) is refused when loaded, not

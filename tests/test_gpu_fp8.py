@@ -325,13 +325,14 @@ def _gluon_decode_chosen(q, kc, vc, **kw) -> bool:
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(32, 8), (16, 1), (8, 8)])
-def test_gluon_fp8_decode_matches_the_truth(rng, kv_dtype, q_dtype, heads):
+@pytest.mark.parametrize("D", [128, 64, 256])
+def test_gluon_fp8_decode_matches_the_truth(rng, kv_dtype, q_dtype, heads, D):
     """The one-warp Gluon decode (kernels/kvcache_gluon.py, the registry's choice for one query token
-    over a contiguous float8 cache at D=128): lengths 0, 1, 31, 33 and up to the capacity, GQA groups
-    of 4, 16 and 1, per-(batch, KV head) and per-tensor descales, the split policy's count and 1 and 3
-    splits; each sequence as close to the float64 truth as the same decode in q's dtype."""
+    over a contiguous float8 cache at D=64, 128 and 256): lengths 0, 1, 31, 33 and up to the capacity,
+    GQA groups of 4, 16 and 1, per-(batch, KV head) and per-tensor descales, the split policy's count
+    and 1 and 3 splits; each sequence as close to the float64 truth as the same decode in q's dtype."""
     Hq, Hk = heads
-    B, D, S = 6, 128, 5000
+    B, S = 6, 5000
     q = _x((B, 1, Hq, D), rng).to(q_dtype)
     kc, kd, kf = _cache8(rng, (B, S, Hk, D), kv_dtype, B, False)
     vc, vd, vf = _cache8(rng, (B, S, Hk, D), kv_dtype, B, False)
@@ -356,14 +357,16 @@ def test_gluon_fp8_decode_matches_the_truth(rng, kv_dtype, q_dtype, heads):
                     assert c.ok, f"{descales} descales, {splits} splits, batch {b} (seqlen {n}): {c}"
 
 
-@pytest.mark.parametrize("page_size", [64, 32, 256, 16, 1, 48])
+@pytest.mark.parametrize("page_size, D", [(64, 128), (32, 128), (256, 128), (16, 128), (1, 128), (48, 128),
+                                          (64, 64), (32, 64), (16, 256), (48, 256), (1, 64), (1, 256)])
 @pytest.mark.parametrize("form", ["block_table", "indptr"])
-def test_gluon_fp8_decode_over_pages_matches_the_truth(rng, page_size, form):
-    """The Gluon decode over a paged float8 cache: shuffled pages of 64, 32 and 256 keys (one page id
-    a 32-key tile), 16 and 1 (one a row, a shift) and 48 (one a row, a division), through a block
-    table or FlashInfer/SGLang tables; lengths 0, 1, 33 and longer, the split policy's count and 3
-    splits; each sequence against the float64 truth."""
-    B, Hq, Hk, D = 5, 32, 8, 128
+def test_gluon_fp8_decode_over_pages_matches_the_truth(rng, page_size, D, form):
+    """The Gluon decode over a paged float8 cache: shuffled pages of 64, 32 and 256 keys (one page id a
+    32-key tile at D=64 and 128), 16 (at D=256 one a 16-key tile, else one a row, a shift), 1 (one a
+    row) and 48 (one a row at D=64 and 128, a division; one a tile at D=256), through a block table or
+    FlashInfer/SGLang tables; lengths 0, 1, 33 and longer, the split policy's count and 3 splits; each
+    sequence against the float64 truth."""
+    B, Hq, Hk = 5, 32, 8
     lengths = [0, 1, 33, 2000, 3001]
     pages = [-(-n // page_size) for n in lengths]
     pool = sum(pages) + 3
@@ -413,16 +416,17 @@ _GLUON_DECODE_CASES = {  # name: (seqlen_q, (Hq, Hk), attention_with_kvcache's m
 
 @pytest.mark.parametrize("case", list(_GLUON_DECODE_CASES))
 @pytest.mark.parametrize("paged", [False, True])
-def test_gluon_fp8_decode_masks_and_scores_match_the_truth(rng, case, paged):
+@pytest.mark.parametrize("D", [128, 64, 256])
+def test_gluon_fp8_decode_masks_and_scores_match_the_truth(rng, case, paged, D):
     """The Gluon decode with up to 16 query rows a (sequence, KV head) (speculative tokens x GQA
     group) and every mask and score feature of the KV-cache path: causal both alignments, windows
     (with and without a right edge), sink tokens left and right of the window, soft-cap, ALiBi and
     sink logits (folded in the kernel with one split, by the combine with more); contiguous and
-    pages of 64 keys; lengths 0 to 4000, the split policy's count and 1 and 3 splits; each sequence
-    as close to the float64 truth as the same attention in bf16."""
+    pages of 64 keys; D=64, 128 and 256; lengths 0 to 4000, the split policy's count and 1 and 3
+    splits; each sequence as close to the float64 truth as the same attention in bf16."""
     seqlen_q, (Hq, Hk), features = _GLUON_DECODE_CASES[case]
     features = dict(features)
-    B, D, S, page = 6, 128, 4096, 64
+    B, S, page = 6, 4096, 64
     lengths = [0, seqlen_q, 37, 333, 1500, 4000]
     q = _x((B, seqlen_q, Hq, D), rng).to(torch.bfloat16)
     shape = (B * S // page + 3, page, Hk, D) if paged else (B, S, Hk, D)

@@ -221,9 +221,9 @@ def test_sink_tokens_reach_queries_that_the_causal_window_hides(rng):
 
 def test_a_float8_cache_takes_its_own_decode_tile(rng, monkeypatch):
     """attention_with_kvcache marks a float8 cache in the Problem (feature fp8_kv_cache); on sm90
-    a float8 cache at D=128 takes the Gluon decode (attempt 106), one at D=64 the Triton kernel,
-    whose 64-key tile the default selection passes over for float8 caches (measured slower,
-    attempt 57) for the 128-key one, while a 16-bit cache keeps the 64-key tile."""
+    a float8 cache at D=64, 128 and 256 takes the Gluon decode (attempts 106, 111), one at D=96 the
+    Triton kernel, whose 64-key tile the default selection passes over for float8 caches (measured
+    slower, attempt 57) for the 128-key one, while a 16-bit cache keeps the 64-key tile."""
     import fmha.kvcache as api_kvcache
     from fmha.api import get_dispatcher
     from fmha.configs import Family
@@ -240,13 +240,14 @@ def test_a_float8_cache_takes_its_own_decode_tile(rng, monkeypatch):
     assert [p.kv_fp8 for p in seen] == [True, False]
     assert Feature.FP8_KV_CACHE in seen[0].features and Feature.FP8_KV_CACHE not in seen[1].features
     dispatcher = get_dispatcher()
-    for kv_fp8, head_dim, block_n, warps in ((True, 128, 32, 1), (True, 64, 128, 4), (False, 128, 64, 4)):
+    for kv_fp8, head_dim, block_n, warps in ((True, 128, 32, 1), (True, 64, 32, 1), (True, 256, 16, 1),
+                                             (True, 96, 128, 4), (False, 128, 64, 4)):
         problem = seen[0].with_(arch="sm90", head_dim_qk=head_dim, head_dim_v=head_dim, seqlen_k=8192, kv_fp8=kv_fp8)
         config, why = dispatcher.select(problem, Family.FWD_SPLITKV)
         a = config.algorithm
         assert (a.block_m, a.block_n, a.num_warps) == (16, block_n, warps), config.name
-        assert a.pipeline.is_gluon is (kv_fp8 and head_dim == 128), config.name
-        assert ("1 passed over before it" in why) is (kv_fp8 and head_dim == 64), why
+        assert a.pipeline.is_gluon is (kv_fp8 and head_dim != 96), config.name
+        assert ("1 passed over before it" in why) is (kv_fp8 and head_dim == 96), why
     assert "float8 KV cache: measured slower there than the next config" in dispatcher.explain(
         seen[0].with_(arch="sm90"), Family.FWD_SPLITKV)
 
@@ -256,14 +257,14 @@ def test_a_float8_cache_takes_its_own_decode_tile(rng, monkeypatch):
     (dict(varlen=True), "packed varlen queries"),
     (dict(kv_fp8=False), "a float8 KV cache only"),
     (dict(nhead_q=64, nhead_k=2), "1 queries x 32 query heads per KV head = 32 rows: at most 16"),
-    (dict(head_dim_qk=64, head_dim_v=64), "head dims (qk 64, v 64) are not equal and one of [128]"),
+    (dict(head_dim_qk=96, head_dim_v=96), "head dims (qk 96, v 96) are not equal and one of [128]"),
     (dict(dtype=DType.FP32), "dtype fp32 not in ['fp16', 'bf16']"),
     (dict(tma_aligned=False), "not 16-byte aligned"),
     (dict(arch="sm80"), "arch sm80 not in ['sm90']"),
 ])
 def test_the_gluon_fp8_decode_serves_decode_steps_and_explain_says_why_not(change, reason):
     """The registry's Gluon decode (kernels/kvcache_gluon.py) takes up to 16 query rows a (sequence, KV
-    head) over a float8 cache (contiguous or paged) at D=128 on sm90, with every mask and score
+    head) over a float8 cache (contiguous or paged) at D=64, 128 or 256 on sm90, with every mask and score
     feature, split so that about four one-warp programs run an SM (its config's programs_per_sm); the
     rest goes to the Triton kernel, and explain names the reason."""
     from fmha.api import get_dispatcher
@@ -310,10 +311,10 @@ def test_explain_kvcache_says_what_the_call_would_launch_and_why(rng, monkeypatc
     cache is not written. On the H200 path a float8 cache shows the 64-key tile passed over."""
     import fmha.kvcache as api_kvcache
 
-    q = randn((2, 1, 8, 64), torch.bfloat16, rng)
-    cache = randn((2, 300, 2, 64), torch.float32, rng).to(torch.float8_e4m3fn)
+    q = randn((2, 1, 8, 96), torch.bfloat16, rng)  # (D=96: the Triton kernel; 64, 128, 256 take the Gluon decode)
+    cache = randn((2, 300, 2, 96), torch.float32, rng).to(torch.float8_e4m3fn)
     seqlens = torch.tensor([299, 100], dtype=torch.int32)
-    new = randn((2, 1, 2, 64), torch.bfloat16, rng)
+    new = randn((2, 1, 2, 96), torch.bfloat16, rng)
     before = cache.clone()
     text = fmha.explain_kvcache(q, cache, cache, k=new, v=new, cache_seqlens=seqlens, num_splits=3, causal=True)
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))  # not written

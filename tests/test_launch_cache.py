@@ -1016,15 +1016,15 @@ def test_decode_call_plans_with_alibi_and_sinks_launch_what_the_full_path_launch
                                                                                   slopes):
     """On the H200 path, a decode call with ALiBi slopes ((Hq,) or (B, Hq)) and sink logits takes a
     call plan too (the slopes and sinks are tensors of the key's metadata) and launches what the
-    full path launches for the same inputs: the Triton kernel (bf16 and float8 caches at D=64) or
-    the Gluon decode (float8 at D=128), with one split (sinks folded in the kernel) or four (sinks
+    full path launches for the same inputs: the Triton kernel (a bf16 cache at D=64, a float8 one at
+    D=96) or the Gluon decode (float8 at D=128), with one split (sinks folded in the kernel) or four (sinks
     added by the combine)."""
     import fmha
     from fmha import kvcache as api_kvcache
 
     runs, full_path = _decode_h200_path(monkeypatch)
     cache_dtype, descales = _CACHES["bf16" if cache == "bf16" else "fp8 per head"]
-    d = 128 if cache == "fp8 at D=128" else _DECODE_D
+    d = 128 if cache == "fp8 at D=128" else 96 if cache == "fp8 per head" else _DECODE_D
 
     def inputs():
         shape = (_DECODE_HQ,) if slopes == "(Hq,)" else (_DECODE_B, _DECODE_HQ)

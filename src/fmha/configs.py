@@ -306,10 +306,12 @@ def _gluon_rule_violations(s: Signature, a: Algorithm) -> list[str]:
                          f"on 4 or 8 warps or 128 keys on 8 (block_m 64, block_n/num_warps 64/4, 64/8 or 128/8, "
                          f"pipeline gluon or, at 128 keys, gluon_ws)")
     elif s.family == Family.FWD_SPLITKV:
-        if not (s.fp8_decode and s.head_dims == (128,) and (a.block_m, a.num_warps) == (16, 1)
-                and a.block_n in (16, 32) and 2 <= a.num_stages <= 4 and a.pipeline == Pipeline.GLUON):
-            rules.append(f"pipeline {a.pipeline.value}: the Gluon decode kernel serves float8 caches at head dim 128 "
-                         f"(signature fp8_decode, head_dims (128,)) with one warp a 16-row tile of 16 or 32 keys and "
+        if not (s.fp8_decode and s.head_dims in ((64,), (128,), (256,)) and (a.block_m, a.num_warps) == (16, 1)
+                and a.block_n >= 16 and a.block_n * s.head_dims[0] in (2048, 4096) and 2 <= a.num_stages <= 4
+                and a.pipeline == Pipeline.GLUON):
+            rules.append(f"pipeline {a.pipeline.value}: the Gluon decode kernel serves float8 caches at head dim "
+                         f"64, 128 or 256 (signature fp8_decode, head_dims one of them) with one warp a 16-row tile "
+                         f"of 2 or 4 KB of keys (block_n >= 16, block_n x head dim 2048 or 4096) and "
                          f"2-4 stages (block_m 16, num_warps 1, pipeline gluon), got head_dims {list(s.head_dims)} "
                          f"fp8_decode={s.fp8_decode} block_m={a.block_m} block_n={a.block_n} num_warps={a.num_warps} "
                          f"stages={a.num_stages} pipeline {a.pipeline.value}")

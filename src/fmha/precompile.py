@@ -388,7 +388,8 @@ def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob
         for cache, split, page in (("fp8e4nv", True, 0), ("fp8e4nv", False, 0), ("fp8e5", True, 0),
                                    ("fp8e5", False, 0), ("fp8e4nv", True, 64), ("fp8e4nv", True, 16)):
             signature, constexprs, options = kvcache_gluon.compile_spec(TRITON_TYPES[dtype], a.block_n, a.num_stages,
-                                                                        cache=cache, split=split, page_size=page)
+                                                                        cache=cache, split=split, page_size=page,
+                                                                        head_dim=config.signature.head_dims[0])
             jobs.append((f"{'e4m3' if cache == 'fp8e4nv' else 'e5m2'}_{'split' if split else 'final'}"
                          + (f"_page{page}" if page else ""),
                          CompileJob(kvcache_gluon.__name__, "decode_fp8_kernel", tuple(signature.items()),

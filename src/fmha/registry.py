@@ -299,11 +299,14 @@ def default_registry() -> Registry:
     # 1.79x the bf16 cache's decode where the Triton kernel ran 1.52x (H200, 2026-12-02, attempt 106),
     # as fast over pages of 64 keys (1 key: 5% slower; attempt 107); best at about four one-warp
     # programs an SM (512 programs at B=32 8k and B=8 32k keys).
-    configs.append(KernelConfig(
-        Signature(Family.FWD_SPLITKV, half, ("sm90",), 128, 128, kv, head_dims=(128,), needs_tma=True,
-                  fp8_decode=True),
-        Algorithm(16, 32, 1, 3, pipeline=Pipeline.GLUON, programs_per_sm=4),
-        notes="one-warp decode over a float8 cache: K/V by cp.async, straight into mma operands"))
+    # D=64 takes 32-key tiles too (64 keys: 0.81-0.98x of them; 4 stages: 0.96-1.07x), D=256 16 keys (the
+    # same 4 KB as D=128's); 1.30-1.32x (D=64) and 1.82-1.90x (D=256) the Triton kernel's speed over a
+    # float8 cache, 2 or 8 programs an SM slower or no faster (attempt 111).
+    configs += [KernelConfig(
+        Signature(Family.FWD_SPLITKV, half, ("sm90",), d, d, kv, head_dims=(d,), needs_tma=True, fp8_decode=True),
+        Algorithm(16, block_n, 1, 3, pipeline=Pipeline.GLUON, programs_per_sm=4),
+        notes="one-warp decode over a float8 cache: K/V by cp.async, straight into mma operands")
+        for d, block_n in ((128, 32), (64, 32), (256, 16))]
     configs += [_config(Family.FWD_SPLITKV, half, cuda, 128, 16, 64, 4, 3, 1, kv, slower_for_fp8_cache=True),
                 _config(Family.FWD_SPLITKV, half, cuda, 128, 16, 128, 4, 3, 1, kv)]
     configs += _family_configs(Family.FWD_SPLITKV, [

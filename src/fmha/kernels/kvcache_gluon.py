@@ -28,17 +28,22 @@ sink tokens, soft-cap (tanh through exp2 and an approximate reciprocal), ALiBi, 
 tokens left of the window, the window, the sink tokens right of it; the splits take equal runs of
 those tiles (so a window's keys are what is split), and only the tiles the mask cuts compute it.
 
-Scope (the registry's `fp8_decode` signature): D = 128, seqlen_q x query heads per KV head <= 16
-(no packed varlen queries), a contiguous cache (B_cache, S, Hk, 128) (optionally rows picked by
-cache_batch_idx) or pages (num_pages, page_size, Hk, 128) through a block table or
+D = 64 takes half those bytes a lane (V's reads 8 bytes a key, its copies laid out as K's); D = 256
+is two D = 128 halves, a lane's bytes of the upper half 128 bytes on (the k-steps 8-15 of S, the
+n-tiles 16-31 of P V), so that the 16-byte loads of one instruction stay on distinct banks.
+
+Scope (the registry's `fp8_decode` signature): D = 64, 128 or 256, seqlen_q x query heads per KV
+head <= 16 (no packed varlen queries), a contiguous cache (B_cache, S, Hk, D) (optionally rows picked
+by cache_batch_idx) or pages (num_pages, page_size, Hk, D) through a block table or
 FlashInfer/SGLang tables (as splitkv_kernel's: one page id a tile where pages hold a multiple of
 BLOCK_N keys, else one a row; the ids are loaded a tile before their copies are issued), with
 16-byte aligned rows, descales per tensor or per (batch, KV head). Everything else runs on the
 Triton kernel (kvcache.py).
-Measured (H200, docs/performance.md attempts 106-108): 1.79x the bf16 cache's decode, where the
+Measured (H200, docs/performance.md attempts 106-108, 111): 1.79x the bf16 cache's decode, where the
 Triton kernel with fp16 products ran 1.52x; over pages as fast as contiguous (64 or 256 keys) or
 2-3% slower (16 and 1 key); 1.16-1.26x the Triton kernel with causal speculative rows and
-windows, even with soft-cap, ALiBi and sink logits.
+windows, even with soft-cap, ALiBi and sink logits; the Triton kernel's time over this one's
+1.30-1.32x at D=64 and 1.82-1.90x at D=256 (4.1 TB/s of fp8 bytes at D=128 and 256).
 """
 
 from __future__ import annotations
@@ -52,7 +57,6 @@ from . import launch_cache
 from .kvcache import F16_P_SHIFT, _descale_strides, _optional_meta, _paging
 from .launch_args import alibi_strides, unit_descale
 
-HEAD_DIM = gl.constexpr(128)
 ROWS = gl.constexpr(16)  # the mma tile's rows: a KV head's query heads (at most 16)
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -64,23 +68,71 @@ def _mma_layout():
 
 
 @gluon.constexpr_function
-def _tile_layout(block_n, for_v):
+def _tile_layout(block_n, head_dim, for_v):
     """[keys, D] of a K or V tile as lanes read it, each lane's registers along D first, then the
-    keys' bits from 8 up. K: lane (key k % 8, q) holds D = 32q .. 32q + 31 of keys k % 8 + 8i.
-    V (for_v): lane (q, n) holds D = 16n .. 16n + 15 of keys 2q, 2q + 1 (+ 8i)."""
+    keys' bits from 8 up. At D = 128:
+    K: lane (key k % 8, q) holds D = 32q .. 32q + 31 of keys k % 8 + 8i;
+    V (for_v): lane (q, n) holds D = 16n .. 16n + 15 of keys 2q, 2q + 1 (+ 8i).
+    D = 64 halves those runs; D = 256 is two D = 128 halves, the upper one at + 128 in the lane's
+    registers (so the lanes' 16-byte reads of one instruction stay on distinct banks)."""
+    half = min(head_dim, 128)
+    w = half // 8 if for_v else half // 4
+    regs = [[0, 1 << i] for i in range(w.bit_length() - 1)] + ([[0, 128]] if head_dim == 256 else [])
     if for_v:
-        regs, lanes = [[0, 1], [0, 2], [0, 4], [0, 8], [1, 0]], [[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]]
+        regs, lanes = regs + [[1, 0]], [[2, 0], [4, 0], [0, w], [0, 2 * w], [0, 4 * w]]
     else:
-        regs, lanes = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], [[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]]
+        lanes = [[0, w], [0, 2 * w], [1, 0], [2, 0], [4, 0]]
     upper_keys = [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
     return gl.DistributedLinearLayout(reg_bases=regs + upper_keys, lane_bases=lanes, warp_bases=[], block_bases=[],
-                                      shape=[block_n, HEAD_DIM])
+                                      shape=[block_n, head_dim])
+
+
+@gluon.constexpr_function
+def _ring_layout(head_dim):
+    """A K/V ring slot's swizzle: rows of D bytes in 16-byte units, a unit's index xor'd with its row's
+    phase (two rows a phase at D = 64, where two rows share a 128-byte line)."""
+    return gl.SwizzledSharedLayout(vec=16, per_phase=2 if head_dim == 64 else 1,
+                                   max_phase=4 if head_dim == 64 else 8, order=[1, 0])
 
 
 @gluon.jit
-def _qk_d(d):
-    """The D that position d of S's reduction reads: d = 16s + 8h + 2q + e -> 32q + 4s + 2h + e."""
-    return 32 * ((d >> 1) & 3) + 4 * (d >> 4) + 2 * ((d >> 3) & 1) + (d & 1)
+def _qk_d(d, HEAD_DIM: gl.constexpr):
+    """The D that position d of S's reduction reads (K's lane q holds _tile_layout's D's):
+    d = 16s + 8h + 2q + e -> (D / 4) q + 4s + 2h + e at D = 64 and 128; at D = 256 each half of
+    the k-steps as D = 128, the upper (s >= 8) at + 128."""
+    s = d >> 4
+    if HEAD_DIM == 256:
+        return 128 * (s >> 3) + 32 * ((d >> 1) & 3) + 4 * (s & 7) + 2 * ((d >> 3) & 1) + (d & 1)
+    return HEAD_DIM // 4 * ((d >> 1) & 3) + 4 * s + 2 * ((d >> 3) & 1) + (d & 1)
+
+
+@gluon.jit
+def _k_transposed(k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """K^T in S's order of D (_qk_d): [keys, D] -> [d, keys], a relabelling of the lanes' registers."""
+    if HEAD_DIM == 256:  # D = 128u + 32q + 4s + 2h + e -> d = 128u + 16s + 8h + 2q + e
+        kt = k.reshape([BLOCK_N, 2, 4, 8, 2, 2]).permute((1, 3, 4, 2, 5, 0))
+    else:  # D = (D / 4) q + 4s + 2h + e -> d = 16s + 8h + 2q + e
+        kt = k.reshape([BLOCK_N, 4, HEAD_DIM // 16, 2, 2]).permute((2, 3, 1, 4, 0))
+    return kt.reshape([HEAD_DIM, BLOCK_N])
+
+
+@gluon.jit
+def _v_columns(v, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """V in P V's order of columns (_out_d): [keys, D] -> [keys, c], a relabelling of the lanes' registers."""
+    if HEAD_DIM == 256:  # D = 128u + 16n + j -> c = 128u + 8j + n
+        vc = v.reshape([BLOCK_N, 2, 8, 16]).permute((0, 1, 3, 2))
+    else:  # D = (D / 8) n + j -> c = 8j + n
+        vc = v.reshape([BLOCK_N, 8, HEAD_DIM // 8]).permute((0, 2, 1))
+    return vc.reshape([BLOCK_N, HEAD_DIM])
+
+
+@gluon.jit
+def _out_d(c, HEAD_DIM: gl.constexpr):
+    """The D of P V's column c: lane n of the 8-column n-tile t holds V's D = (D / 8) n + t (each half
+    of D = 256 as D = 128)."""
+    if HEAD_DIM == 256:
+        return 128 * (c >> 7) + 16 * (c % 8) + (c & 127) // 8
+    return HEAD_DIM // 8 * (c % 8) + c // 8
 
 
 @gluon.jit
@@ -145,7 +197,8 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
                       stride_ls, stride_kdb, stride_kdh, stride_vdb, stride_vdh, stride_btb, page_size,
                       stride_alibib, stride_alibih, nheads_k, seqlen_q, num_splits, scale, softcap, window_left,
                       window_right, sink_size,
-                      GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BF16: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      Q_BF16: gl.constexpr,
                       HAS_CACHE_BATCH_IDX: gl.constexpr, PAGED: gl.constexpr,
                       TABLE_INDPTR: gl.constexpr, PAGE_PER_TILE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
                       ALIGN_BOTTOM_RIGHT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
@@ -154,10 +207,10 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
     mma: gl.constexpr = _mma_layout()
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    k_layout: gl.constexpr = _tile_layout(BLOCK_N, False)
-    v_layout: gl.constexpr = _tile_layout(BLOCK_N, True)
+    k_layout: gl.constexpr = _tile_layout(BLOCK_N, HEAD_DIM, False)
+    v_layout: gl.constexpr = _tile_layout(BLOCK_N, HEAD_DIM, True)
     q_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
-    ring_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+    ring_layout: gl.constexpr = _ring_layout(HEAD_DIM)
     pid = gl.program_id(0)
     split = pid % num_splits
     bhk = pid // num_splits
@@ -216,7 +269,7 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
     b64 = b.to(gl.int64)
     q = gl.load(Q + b64 * stride_qb + (r // GROUP * stride_qm + (hk * GROUP + r % GROUP) * stride_qh)[:, None]
-                + _qk_d(d)[None, :], mask=(r < GROUP * seqlen_q)[:, None], other=0.0).to(gl.float32)
+                + _qk_d(d, HEAD_DIM)[None, :], mask=(r < GROUP * seqlen_q)[:, None], other=0.0).to(gl.float32)
     scale = scale * gl.load(KDescale + b * stride_kdb + hk * stride_kdh)
     if Q_BF16:
         amax = gl.max(gl.max(gl.abs(q), 1), 0)
@@ -237,8 +290,10 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
 
     k_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, k_layout))
     k_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, k_layout))
-    v_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
-    v_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, v_layout))
+    # V's copies: 16 bytes a lane as its reads at D >= 128; at D = 64 (8 bytes a key a lane) as K's
+    v_copy: gl.constexpr = k_layout if HEAD_DIM == 64 else v_layout
+    v_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_copy))
+    v_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, v_copy))
     # The cache's strides are multiples of 16 (the registry's needs_tma checked it): written so, the
     # compiler sees 16-byte copies also where it does not specialize them (an ahead-of-time build).
     stride_kb, stride_kn, stride_kh = stride_kb // 16 * 16, stride_kn // 16 * 16, stride_kh // 16 * 16
@@ -297,8 +352,7 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
         _copy_tile(k_ring, ahead % STAGES, k_base, k_offsets, n_ahead + k_rows, k_cols, limit)
         _copy_tile(v_ring, ahead % STAGES, v_base, v_offsets, n_ahead + v_rows, v_cols, limit)
         async_copy.commit_group()
-        # K^T in S's order of D: [keys, D] = [keys, 32q + 4s + 2h + e] -> [16s + 8h + 2q + e, keys]
-        kt = k8.to(gl.float16).reshape([BLOCK_N, 4, 8, 2, 2]).permute((2, 3, 1, 4, 0)).reshape([HEAD_DIM, BLOCK_N])
+        kt = _k_transposed(k8.to(gl.float16), BLOCK_N, HEAD_DIM)
         s = mma_v2(q_op, gl.convert_layout(kt, b_layout), gl.zeros([ROWS, BLOCK_N], gl.float32, mma))
         c = n0 + key_cols
         if HAS_SOFTCAP:  # softcap * tanh(s * scale / softcap), tanh(y) = 1 - 2 / (1 + e^2y), in log2 units
@@ -325,8 +379,7 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * alpha[:, None]
         m_i = m_new
-        # V in O's order of columns: [keys, 16n + j] -> [keys, 8j + n]
-        vt = v8.to(gl.float16).reshape([BLOCK_N, 8, 16]).permute((0, 2, 1)).reshape([BLOCK_N, HEAD_DIM])
+        vt = _v_columns(v8.to(gl.float16), BLOCK_N, HEAD_DIM)
         acc = mma_v2(gl.convert_layout(p.to(gl.float16), a_layout), gl.convert_layout(vt, b_layout), acc)
     async_copy.wait_group(0)  # (the ring's copies past the last tile, all masked off)
 
@@ -344,7 +397,7 @@ def decode_fp8_kernel(Q, K, V, O, LSE, KDescale, VDescale, SeqlensK, CacheBatchI
     out = acc / l_safe[:, None]
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe) - F16_P_SHIFT) * LN2)
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
-    d_out = 16 * (cols % 8) + cols // 8  # O's columns back in D's order
+    d_out = _out_d(cols, HEAD_DIM)  # O's columns back in D's order
     o_rows = split.to(gl.int64) * stride_os + b64 * stride_ob + query * stride_om + h * stride_oh
     gl.store(O + o_rows[:, None] + d_out[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
     gl.store(LSE + split * stride_ls + b * stride_lb + h * stride_lh + query * stride_lm, lse, mask=row_ok)
@@ -356,17 +409,18 @@ def products_dtype(q_dtype: torch.dtype, kv_fp8: bool = True) -> torch.dtype:
 
 
 def compile_spec(dtype: str, block_n: int, num_stages: int, *, cache: str = "fp8e4nv", split: bool = True,
-                 group: int = 4, page_size: int = 0, **features) -> tuple[dict, dict, dict]:
+                 group: int = 4, page_size: int = 0, head_dim: int = 128, **features) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `decode_fp8_kernel` for an ahead-of-time compile (fmha
     kernels build) without a GPU: q and a final output in `dtype` ("fp16" or "bf16"), a `cache`
     ("fp8e4nv" or "fp8e5") cache, partial outputs (split) or the final one, `group` query heads
-    a KV head, a contiguous cache (page_size 0) or a block table of pages of `page_size` keys;
-    `features`: the kernel's mask and score constexprs (HAS_LEFT=True, ...), off by default."""
+    a KV head, a contiguous cache (page_size 0) or a block table of pages of `page_size` keys,
+    head dim `head_dim` (64, 128 or 256); `features`: the kernel's mask and score constexprs
+    (HAS_LEFT=True, ...), off by default."""
     pointers = {"Q": dtype, "K": cache, "V": cache, "O": "fp32" if split else dtype, "LSE": "fp32",
                 "KDescale": "fp32", "VDescale": "fp32", "SeqlensK": "i32", "CacheBatchIdx": "i32",
                 "BlockTable": "i32", "KvIndptr": "i32", "Alibi": "fp32", "Sinks": "fp32"}
     paged = page_size > 0
-    constexprs = dict(GROUP=group, BLOCK_N=block_n, STAGES=num_stages, Q_BF16=dtype == "bf16",
+    constexprs = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_N=block_n, STAGES=num_stages, Q_BF16=dtype == "bf16",
                       HAS_CACHE_BATCH_IDX=False, PAGED=paged, TABLE_INDPTR=False,
                       PAGE_PER_TILE=paged and page_size % block_n == 0,
                       PAGE_SHIFT=page_size.bit_length() - 1 if paged and page_size & (page_size - 1) == 0 else -1,
@@ -387,9 +441,9 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
                      align_bottom_right: bool = True, block_n: int, num_stages: int, k_descale=None, v_descale=None,
                      **_triton_only) -> launch_cache.Planned | None:
     """`kvcache.launch_attention`'s contract for what this kernel serves (the registry's
-    `fp8_decode` signature): q (B, Sq, Hq, 128) fp16/bf16 with Sq * Hq / Hk <= 16 (no packed
-    varlen queries); caches (B_cache, S, Hk, 128) or pages, float8; o, lse final (one split:
-    (B, Sq, Hq, 128), (B, Hq, Sq)) or partials ((splits, B, Hq, Sq, 128) fp32, (splits, B, Hq, Sq)).
+    `fp8_decode` signature): q (B, Sq, Hq, D) fp16/bf16, D 64, 128 or 256, with Sq * Hq / Hk <= 16 (no
+    packed varlen queries); caches (B_cache, S, Hk, D) or pages, float8; o, lse final (one split:
+    (B, Sq, Hq, D), (B, Hq, Sq)) or partials ((splits, B, Hq, Sq, D) fp32, (splits, B, Hq, Sq)).
     Returns the launch plan this call ran or made, `Planned.launch(q, k_cache, v_cache, o, lse,
     lengths, block_table, kv_indptr, k_descale, v_descale, cache_batch_idx, alibi_slopes, sinks)`
     repeating it (the last three may be left out where the call had none)."""
@@ -432,7 +486,8 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
             left, right, sink_size)
     tensors = _tensors(q, k_cache, v_cache, o, lse, lengths, block_table, kv_indptr, k_descale, v_descale,
                        cache_batch_idx, alibi_slopes, sinks)
-    plan = launch_cache.make_plan(decode_fp8_kernel, grid, *tensors, *tail, GROUP=nheads_q // nheads_k,
+    plan = launch_cache.make_plan(decode_fp8_kernel, grid, *tensors, *tail, HEAD_DIM=q.shape[3],
+                                  GROUP=nheads_q // nheads_k,
                                   BLOCK_N=block_n, STAGES=num_stages, Q_BF16=q.dtype == torch.bfloat16,
                                   HAS_CACHE_BATCH_IDX=cache_batch_idx is not None, **paging,
                                   ALIGN_BOTTOM_RIGHT=align_bottom_right, HAS_LEFT=left >= 0, HAS_RIGHT=has_right,
