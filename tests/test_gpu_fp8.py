@@ -465,6 +465,57 @@ def test_gluon_fp8_decode_masks_and_scores_match_the_truth(rng, case, paged, D):
                 assert c.ok, f"{case}, {splits} splits, batch {b} (seqlen {n}): {c}"
 
 
+# (batch, Hq, Hk, head_dim, page_size, context, table form): issue 5's serving sizes over float8 pages
+_FP8_SERVING_CASES = [
+    (1, 32, 8, 128, 16, 131072, "block_table"),
+    (1, 32, 8, 256, 64, 131072, "indptr"),
+    (2, 64, 8, 64, 32, 131072, "block_table"),
+    (256, 32, 8, 64, 16, 1024, "indptr"),
+    (64, 64, 8, 256, 64, 4096, "indptr"),
+    (8, 32, 8, 256, 256, 16384, "block_table"),
+    (32, 64, 8, 64, 1, 2048, "block_table"),
+    (4, 64, 8, 128, 64, 65536, "indptr"),
+]
+
+
+@pytest.mark.parametrize("batch, nhead_q, nhead_k, D, page_size, context, form", _FP8_SERVING_CASES)
+def test_gluon_fp8_decode_at_serving_sizes(rng, batch, nhead_q, nhead_k, D, page_size, context, form):
+    """A decode step over shuffled float8 pages at serving sizes (batch 1-256, context 1k-128k, GQA
+    32:8 and 64:8, D 64/128/256, pages of 1-256 keys, block tables and FlashInfer/SGLang tables) on
+    the Gluon decode with the split policy's splits: every sequence (lengths from 1 to the context)
+    as close to the float64 truth as the same decode in bf16 over the dequantized cache."""
+    lengths = torch.randint(1, context + 1, (batch,), generator=rng).tolist()
+    lengths[0], lengths[-1] = context, 1
+    pages = [-(-n // page_size) for n in lengths]
+    pool = sum(pages) + 3
+    kc, kd, kf = _cache8(rng, (pool, page_size, nhead_k, D), E4M3, batch, True)
+    vc, vd, vf = _cache8(rng, (pool, page_size, nhead_k, D), E4M3, batch, True)
+    ids = torch.randperm(pool, generator=rng).int()
+    rows = [ids[sum(pages[:b]):sum(pages[:b + 1])] for b in range(batch)]
+    if form == "block_table":
+        table = torch.zeros((batch, max(pages)), dtype=torch.int32)
+        for b, r in enumerate(rows):
+            table[b, :len(r)] = r
+        index = dict(block_table=table.to(CUDA), cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=CUDA))
+    else:
+        last = [n - (p - 1) * page_size for n, p in zip(lengths, pages, strict=True)]
+        index = dict(kv_indices=torch.cat(rows).to(CUDA),
+                     kv_indptr=torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32, device=CUDA),
+                     kv_last_page_len=torch.tensor(last, dtype=torch.int32, device=CUDA))
+    q = _x((batch, 1, nhead_q, D), rng).to(torch.bfloat16)
+    kw = dict(**index, k_descale=kd, v_descale=vd, causal=True)
+    assert _gluon_decode_chosen(q, kc, vc, **kw), fmha.explain_kvcache(q, kc, vc, **kw)
+    o, lse = fmha.attention_with_kvcache(q, kc, vc, return_lse=True, **kw)
+    for b, n in enumerate(lengths):
+        kb, vb = (c[rows[b].long()].reshape(-1, nhead_k, D)[:n].transpose(0, 1)[None] for c in (kf, vf))
+        qb = q[b:b + 1].transpose(1, 2)
+        ref_o, ref_lse = numerics.torch_attention(qb, kb, vb, compute_dtype=torch.float64)
+        base_o, base_lse = numerics.torch_attention(qb, kb.bfloat16(), vb.bfloat16())
+        for c in (numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16),
+                  numerics.compare("lse", lse[b:b + 1], ref_lse, base_lse, torch.float32)):
+            assert c.ok, f"batch {b} (seqlen {n}): {c}"
+
+
 def test_gluon_fp8_decode_reads_cache_rows_by_cache_batch_idx(rng):
     """cache_batch_idx picks each sequence's cache row: equal to the decode over those rows copied out."""
     B, Hq, Hk, D, S = 4, 32, 8, 128, 3000
