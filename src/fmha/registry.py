@@ -300,7 +300,7 @@ def default_registry() -> Registry:
     # as fast over pages of 64 keys (1 key: 5% slower; attempt 107); best at about four one-warp
     # programs an SM (512 programs at B=32 8k and B=8 32k keys).
     # D=64 takes 32-key tiles too (64 keys: 0.81-0.98x of them; 4 stages: 0.96-1.07x), D=256 16 keys (the
-    # same 4 KB as D=128's); 1.30-1.32x (D=64) and 1.82-1.90x (D=256) the Triton kernel's speed over a
+    # same 4 KB as D=128's); 1.29-1.32x (D=64) and 1.71-1.90x (D=256) the Triton kernel's speed over a
     # float8 cache, 2 or 8 programs an SM slower or no faster (attempt 111).
     configs += [KernelConfig(
         Signature(Family.FWD_SPLITKV, half, ("sm90",), d, d, kv, head_dims=(d,), needs_tma=True, fp8_decode=True),

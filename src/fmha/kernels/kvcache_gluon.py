@@ -43,7 +43,7 @@ Measured (H200, docs/performance.md attempts 106-108, 111): 1.79x the bf16 cache
 Triton kernel with fp16 products ran 1.52x; over pages as fast as contiguous (64 or 256 keys) or
 2-3% slower (16 and 1 key); 1.16-1.26x the Triton kernel with causal speculative rows and
 windows, even with soft-cap, ALiBi and sink logits; the Triton kernel's time over this one's
-1.30-1.32x at D=64 and 1.82-1.90x at D=256 (4.1 TB/s of fp8 bytes at D=128 and 256).
+1.29-1.32x at D=64 and 1.71-1.90x at D=256 over two runs (up to 4.1 TB/s of fp8 bytes at D=128 and 256).
 """
 
 from __future__ import annotations
