@@ -544,6 +544,27 @@ def test_gluon_fp8_decode_copies_16_bytes_and_feeds_the_products_from_registers(
     assert words == 3 + 2 * bool(features) if page_size == 0 else words > 3, words  # (+ a lane's 2 rows' ALiBi slopes)
 
 
+def test_gluon_fp8_decode_refuses_calls_outside_its_signature_before_launching():
+    """kvcache_gluon.launch_attention (reached only through the registry's fp8_decode signature)
+    still names what it cannot take, before any launch: a head dim other than 64/128/256, more than
+    16 query rows a (sequence, KV head); compile_spec refuses such a head dim too."""
+    from fmha.kernels import kvcache_gluon
+
+    def call(seqlen_q, head_dim):
+        q = torch.zeros(2, seqlen_q, 8, head_dim, dtype=torch.bfloat16)
+        cache = torch.zeros(2, 64, 2, head_dim, dtype=E4M3)
+        return kvcache_gluon.launch_attention(q, cache, cache, torch.empty_like(q), torch.empty(2, 8, seqlen_q),
+                                              seqlens_k=torch.full((2,), 64, dtype=torch.int32), num_splits=1,
+                                              scale=1.0, block_n=32, num_stages=3)
+
+    with pytest.raises(ValueError, match=r"head dim 96 \(only \[64, 128, 256\]\)"):
+        call(1, 96)
+    with pytest.raises(ValueError, match=r"20 query rows a \(sequence, KV head\)"):
+        call(5, 128)
+    with pytest.raises(ValueError, match=r"head_dim=80: decode_fp8_kernel takes \[64, 128, 256\]"):
+        kvcache_gluon.compile_spec("bf16", 32, 3, head_dim=80)
+
+
 @pytest.mark.parametrize("rotary", [False, True])
 def test_fp8_kvcache_append_rounds_new_tokens_into_the_cache(rotary):
     rng = _rng()

@@ -58,6 +58,7 @@ from .kvcache import F16_P_SHIFT, _descale_strides, _optional_meta, _paging
 from .launch_args import alibi_strides, unit_descale
 
 ROWS = gl.constexpr(16)  # the mma tile's rows: a KV head's query heads (at most 16)
+HEAD_DIMS = (64, 128, 256)  # _tile_layout's
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -426,6 +427,8 @@ def compile_spec(dtype: str, block_n: int, num_stages: int, *, cache: str = "fp8
                       PAGE_SHIFT=page_size.bit_length() - 1 if paged and page_size & (page_size - 1) == 0 else -1,
                       ALIGN_BOTTOM_RIGHT=True, HAS_LEFT=False, HAS_RIGHT=False, HAS_SINK_TOKENS=False,
                       HAS_SOFTCAP=False, HAS_ALIBI=False, FOLD_SINKS=False)
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim}: decode_fp8_kernel takes {list(HEAD_DIMS)}")
     unknown = set(features) - set(constexprs)
     if unknown:
         raise ValueError(f"decode_fp8_kernel has no constexpr {sorted(unknown)}")
@@ -447,7 +450,7 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
     Returns the launch plan this call ran or made, `Planned.launch(q, k_cache, v_cache, o, lse,
     lengths, block_table, kv_indptr, k_descale, v_descale, cache_batch_idx, alibi_slopes, sinks)`
     repeating it (the last three may be left out where the call had none)."""
-    _check_scope(_triton_only)
+    _check_scope(_triton_only, q.shape[3], q.shape[1] * (q.shape[2] // k_cache.shape[2]))
     # the kernel's SeqlensK: the key counts, or kv_last_page_len with indptr tables
     lengths = kv_last_page_len if kv_indptr is not None else seqlens_k
     key = None
@@ -497,12 +500,17 @@ def launch_attention(q, k_cache, v_cache, o, lse, *, seqlens_k=None, block_table
     return launch_cache.keep(_PLANS, key, plan, decode_fp8_kernel, tail, _tensors)
 
 
-def _check_scope(args: dict) -> None:
-    """The arguments of kvcache.launch_attention this kernel does not take must be neutral (the
-    registry's `fp8_decode` signature keeps such calls on the Triton kernel)."""
+def _check_scope(args: dict, head_dim: int, rows: int) -> None:
+    """The arguments of kvcache.launch_attention this kernel does not take must be neutral, its head
+    dim one of HEAD_DIMS and its query rows a (sequence, KV head) at most 16 (the registry's
+    `fp8_decode` signature keeps other calls on the Triton kernel)."""
     offside = [name for name in ("cu_seqlens_q",) if args.get(name) is not None]
     if args.get("max_seqlen_q", 0):
         offside.append("max_seqlen_q")
+    if head_dim not in HEAD_DIMS:
+        offside.append(f"head dim {head_dim} (only {list(HEAD_DIMS)})")
+    if rows > ROWS:
+        offside.append(f"{rows} query rows a (sequence, KV head) (seqlen_q x query heads per KV head; at most {ROWS})")
     if offside:
         raise ValueError(f"the Gluon fp8 decode does not take {', '.join(offside)}: the dispatcher's fp8_decode "
                          f"signature should have refused this call")
