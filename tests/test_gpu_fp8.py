@@ -357,6 +357,31 @@ def test_gluon_fp8_decode_matches_the_truth(rng, kv_dtype, q_dtype, heads, D):
                     assert c.ok, f"{descales} descales, {splits} splits, batch {b} (seqlen {n}): {c}"
 
 
+def _fp8_pages(rng, lengths, page_size, nhead_k, head_dim, form):
+    """Shuffled float8 pages holding sequences of `lengths` keys (3 spare pages): the K and V
+    (cache, descale, float64 truth) of _cache8, each sequence's page ids, and the attention
+    arguments that index them: a block table with cache_seqlens ("block_table") or
+    FlashInfer/SGLang tables ("indptr")."""
+    batch = len(lengths)
+    pages = [-(-n // page_size) for n in lengths]
+    pool = sum(pages) + 3
+    k = _cache8(rng, (pool, page_size, nhead_k, head_dim), E4M3, batch, True)
+    v = _cache8(rng, (pool, page_size, nhead_k, head_dim), E4M3, batch, True)
+    ids = torch.randperm(pool, generator=rng).int()
+    rows = [ids[sum(pages[:b]):sum(pages[:b + 1])] for b in range(batch)]
+    if form == "block_table":
+        table = torch.zeros((batch, max(pages)), dtype=torch.int32)
+        for b, r in enumerate(rows):
+            table[b, :len(r)] = r
+        index = dict(block_table=table.to(CUDA), cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=CUDA))
+    else:
+        last = [n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, pages, strict=True)]
+        index = dict(kv_indices=torch.cat(rows).to(CUDA),
+                     kv_indptr=torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32, device=CUDA),
+                     kv_last_page_len=torch.tensor(last, dtype=torch.int32, device=CUDA))
+    return k, v, rows, index
+
+
 @pytest.mark.parametrize("page_size, D", [(64, 128), (32, 128), (256, 128), (16, 128), (1, 128), (48, 128),
                                           (64, 64), (32, 64), (16, 256), (48, 256), (1, 64), (1, 256)])
 @pytest.mark.parametrize("form", ["block_table", "indptr"])
@@ -368,22 +393,7 @@ def test_gluon_fp8_decode_over_pages_matches_the_truth(rng, page_size, D, form):
     sequence against the float64 truth."""
     B, Hq, Hk = 5, 32, 8
     lengths = [0, 1, 33, 2000, 3001]
-    pages = [-(-n // page_size) for n in lengths]
-    pool = sum(pages) + 3
-    kc, kd, kf = _cache8(rng, (pool, page_size, Hk, D), E4M3, B, True)
-    vc, vd, vf = _cache8(rng, (pool, page_size, Hk, D), E4M3, B, True)
-    ids = torch.randperm(pool, generator=rng).int()
-    rows = [ids[sum(pages[:b]):sum(pages[:b + 1])] for b in range(B)]
-    if form == "block_table":
-        table = torch.zeros((B, max(pages)), dtype=torch.int32)
-        for b, r in enumerate(rows):
-            table[b, :len(r)] = r
-        index = dict(block_table=table.to(CUDA), cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=CUDA))
-    else:
-        last = [n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, pages, strict=True)]
-        index = dict(kv_indices=torch.cat(rows).to(CUDA),
-                     kv_indptr=torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32, device=CUDA),
-                     kv_last_page_len=torch.tensor(last, dtype=torch.int32, device=CUDA))
+    (kc, kd, kf), (vc, vd, vf), rows, index = _fp8_pages(rng, lengths, page_size, Hk, D, form)
     q = _x((B, 1, Hq, D), rng).to(torch.bfloat16)
     for splits in (0, 3):
         kw = dict(**index, k_descale=kd, v_descale=vd, num_splits=splits)
@@ -486,22 +496,7 @@ def test_gluon_fp8_decode_at_serving_sizes(rng, batch, nhead_q, nhead_k, D, page
     as close to the float64 truth as the same decode in bf16 over the dequantized cache."""
     lengths = torch.randint(1, context + 1, (batch,), generator=rng).tolist()
     lengths[0], lengths[-1] = context, 1
-    pages = [-(-n // page_size) for n in lengths]
-    pool = sum(pages) + 3
-    kc, kd, kf = _cache8(rng, (pool, page_size, nhead_k, D), E4M3, batch, True)
-    vc, vd, vf = _cache8(rng, (pool, page_size, nhead_k, D), E4M3, batch, True)
-    ids = torch.randperm(pool, generator=rng).int()
-    rows = [ids[sum(pages[:b]):sum(pages[:b + 1])] for b in range(batch)]
-    if form == "block_table":
-        table = torch.zeros((batch, max(pages)), dtype=torch.int32)
-        for b, r in enumerate(rows):
-            table[b, :len(r)] = r
-        index = dict(block_table=table.to(CUDA), cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=CUDA))
-    else:
-        last = [n - (p - 1) * page_size for n, p in zip(lengths, pages, strict=True)]
-        index = dict(kv_indices=torch.cat(rows).to(CUDA),
-                     kv_indptr=torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32, device=CUDA),
-                     kv_last_page_len=torch.tensor(last, dtype=torch.int32, device=CUDA))
+    (kc, kd, kf), (vc, vd, vf), rows, index = _fp8_pages(rng, lengths, page_size, nhead_k, D, form)
     q = _x((batch, 1, nhead_q, D), rng).to(torch.bfloat16)
     kw = dict(**index, k_descale=kd, v_descale=vd, causal=True)
     assert _gluon_decode_chosen(q, kc, vc, **kw), fmha.explain_kvcache(q, kc, vc, **kw)
