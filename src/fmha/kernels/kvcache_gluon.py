@@ -76,7 +76,7 @@ def _tile_layout(block_n, head_dim, for_v):
     V (for_v): lane (q, n) holds D = 16n .. 16n + 15 of keys 2q, 2q + 1 (+ 8i).
     D = 64 halves those runs; D = 256 is two D = 128 halves, the upper one at + 128 in the lane's
     registers (so the lanes' 16-byte reads of one instruction stay on distinct banks)."""
-    half = min(head_dim, 128)
+    half = _half(head_dim)
     w = half // 8 if for_v else half // 4
     regs = [[0, 1 << i] for i in range(w.bit_length() - 1)] + ([[0, 128]] if head_dim == 256 else [])
     if for_v:
@@ -96,44 +96,45 @@ def _ring_layout(head_dim):
                                    max_phase=4 if head_dim == 64 else 8, order=[1, 0])
 
 
+@gluon.constexpr_function
+def _half(head_dim):
+    """The run of D laid out as at D = 128: D itself up to 128; D = 256 is two such halves."""
+    return min(head_dim, 128)
+
+
 @gluon.jit
 def _qk_d(d, HEAD_DIM: gl.constexpr):
-    """The D that position d of S's reduction reads (K's lane q holds _tile_layout's D's):
-    d = 16s + 8h + 2q + e -> (D / 4) q + 4s + 2h + e at D = 64 and 128; at D = 256 each half of
-    the k-steps as D = 128, the upper (s >= 8) at + 128."""
+    """The D that position d of S's reduction reads (K's lane q holds _tile_layout's D's), each half
+    of D laid out alike: d = 16s + 8h + 2q + e -> 128 (s // 8) + (half / 4) q + 4 (s % 8) + 2h + e."""
+    HALF: gl.constexpr = _half(HEAD_DIM)
     s = d >> 4
-    if HEAD_DIM == 256:
-        return 128 * (s >> 3) + 32 * ((d >> 1) & 3) + 4 * (s & 7) + 2 * ((d >> 3) & 1) + (d & 1)
-    return HEAD_DIM // 4 * ((d >> 1) & 3) + 4 * s + 2 * ((d >> 3) & 1) + (d & 1)
+    return 128 * (s >> 3) + HALF // 4 * ((d >> 1) & 3) + 4 * (s & 7) + 2 * ((d >> 3) & 1) + (d & 1)
 
 
 @gluon.jit
 def _k_transposed(k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """K^T in S's order of D (_qk_d): [keys, D] -> [d, keys], a relabelling of the lanes' registers."""
-    if HEAD_DIM == 256:  # D = 128u + 32q + 4s + 2h + e -> d = 128u + 16s + 8h + 2q + e
-        kt = k.reshape([BLOCK_N, 2, 4, 8, 2, 2]).permute((1, 3, 4, 2, 5, 0))
-    else:  # D = (D / 4) q + 4s + 2h + e -> d = 16s + 8h + 2q + e
-        kt = k.reshape([BLOCK_N, 4, HEAD_DIM // 16, 2, 2]).permute((2, 3, 1, 4, 0))
+    """K^T in S's order of D (_qk_d): [keys, D] -> [d, keys], a relabelling of the lanes' registers:
+    D = 128u + (half / 4) q + 4s + 2h + e -> d = 128u + 16s + 8h + 2q + e."""
+    HALF: gl.constexpr = _half(HEAD_DIM)
+    kt = k.reshape([BLOCK_N, HEAD_DIM // HALF, 4, HALF // 16, 2, 2]).permute((1, 3, 4, 2, 5, 0))
     return kt.reshape([HEAD_DIM, BLOCK_N])
 
 
 @gluon.jit
 def _v_columns(v, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """V in P V's order of columns (_out_d): [keys, D] -> [keys, c], a relabelling of the lanes' registers."""
-    if HEAD_DIM == 256:  # D = 128u + 16n + j -> c = 128u + 8j + n
-        vc = v.reshape([BLOCK_N, 2, 8, 16]).permute((0, 1, 3, 2))
-    else:  # D = (D / 8) n + j -> c = 8j + n
-        vc = v.reshape([BLOCK_N, 8, HEAD_DIM // 8]).permute((0, 2, 1))
+    """V in P V's order of columns (_out_d): [keys, D] -> [keys, c], a relabelling of the lanes' registers:
+    D = 128u + (half / 8) n + j -> c = 128u + 8j + n."""
+    HALF: gl.constexpr = _half(HEAD_DIM)
+    vc = v.reshape([BLOCK_N, HEAD_DIM // HALF, 8, HALF // 8]).permute((0, 1, 3, 2))
     return vc.reshape([BLOCK_N, HEAD_DIM])
 
 
 @gluon.jit
 def _out_d(c, HEAD_DIM: gl.constexpr):
-    """The D of P V's column c: lane n of the 8-column n-tile t holds V's D = (D / 8) n + t (each half
-    of D = 256 as D = 128)."""
-    if HEAD_DIM == 256:
-        return 128 * (c >> 7) + 16 * (c % 8) + (c & 127) // 8
-    return HEAD_DIM // 8 * (c % 8) + c // 8
+    """The D of P V's column c: lane n of the 8-column n-tile t holds V's D = (half / 8) n + t of its
+    half of D."""
+    HALF: gl.constexpr = _half(HEAD_DIM)
+    return 128 * (c >> 7) + HALF // 8 * (c % 8) + (c & 127) // 8
 
 
 @gluon.jit
