@@ -208,6 +208,18 @@ def test_fp8_cuda_graph_capture(rng):
 # ---------------------------------------------------------------------------- fp8 KV cache
 
 
+def _assert_decode_matches_truth(o, lse, q, b, kb, vb, what, dtype=torch.bfloat16, **mask):
+    """Sequence b of a decode (o (B, Sq, Hq, D), lse (B, Hq, Sq) of queries q (B, Sq, Hq, D)) against
+    the float64 truth over its keys kb, vb ((1, Hk, n, D), float64): as close as the same attention
+    with K and V rounded to `dtype` (q's). what: the case, for the message."""
+    qb = q[b:b + 1].transpose(1, 2)
+    ref_o, ref_lse = numerics.torch_attention(qb, kb, vb, compute_dtype=torch.float64, **mask)
+    base_o, base_lse = numerics.torch_attention(qb, kb.to(dtype), vb.to(dtype), **mask)
+    for c in (numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, dtype),
+              numerics.compare("lse", lse[b:b + 1], ref_lse, base_lse, torch.float32)):
+        assert c.ok, f"{what}, batch {b}: {c}"
+
+
 def _cache8(rng, shape, dtype, batch, paged):
     """(cache8, descale (B, Hk), dequantized float64 cache) with per-(batch, KV head) amax descales."""
     x = _x(shape, rng)
@@ -241,14 +253,8 @@ def test_fp8_kvcache_decode(rng, paged, dtype, seqlen_q):
             kb, vb = (c[pages].reshape(-1, Hk, D)[:n] for c in (kf, vf))
         else:
             kb, vb = kf[b, :n], vf[b, :n]
-        qb = q[b:b + 1].transpose(1, 2)
-        kb, vb = kb.transpose(0, 1)[None], vb.transpose(0, 1)[None]
-        ref_o, ref_lse = numerics.torch_attention(qb, kb, vb, compute_dtype=torch.float64, causal=True, sinks=sinks)
-        base_o, base_lse = numerics.torch_attention(qb, kb.to(torch.bfloat16), vb.to(torch.bfloat16), causal=True,
-                                                    sinks=sinks)
-        for c in (numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16),
-                  numerics.compare("lse", lse[b:b + 1], ref_lse, base_lse, torch.float32)):
-            assert c.ok, f"batch {b} (seqlen {n}): {c}"
+        _assert_decode_matches_truth(o, lse, q, b, kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
+                                     f"seqlen {n}", causal=True, sinks=sinks)
 
 
 @pytest.mark.parametrize("q_log2", [-40, 20])
@@ -349,12 +355,8 @@ def test_gluon_fp8_decode_matches_the_truth(rng, kv_dtype, q_dtype, heads, D):
             for b in range(1, B):
                 n = int(seqlens[b])
                 kb, vb = (c[b, :n].transpose(0, 1)[None] for c in (kf, vf))
-                qb = q[b:b + 1].transpose(1, 2)
-                ref_o, ref_lse = numerics.torch_attention(qb, kb, vb, compute_dtype=torch.float64)
-                base_o, base_lse = numerics.torch_attention(qb, kb.to(q_dtype), vb.to(q_dtype))
-                for c in (numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, q_dtype),
-                          numerics.compare("lse", lse[b:b + 1], ref_lse, base_lse, torch.float32)):
-                    assert c.ok, f"{descales} descales, {splits} splits, batch {b} (seqlen {n}): {c}"
+                _assert_decode_matches_truth(o, lse, q, b, kb, vb, f"{descales} descales, {splits} splits, seqlen {n}",
+                                             q_dtype)
 
 
 def _fp8_pages(rng, lengths, page_size, nhead_k, head_dim, form):
@@ -403,12 +405,8 @@ def test_gluon_fp8_decode_over_pages_matches_the_truth(rng, page_size, D, form):
         for b in range(1, B):
             n = lengths[b]
             kb, vb = (c[rows[b].long()].reshape(-1, Hk, D)[:n].transpose(0, 1)[None] for c in (kf, vf))
-            qb = q[b:b + 1].transpose(1, 2)
-            ref_o, ref_lse = numerics.torch_attention(qb, kb, vb, compute_dtype=torch.float64)
-            base_o, base_lse = numerics.torch_attention(qb, kb.bfloat16(), vb.bfloat16())
-            for c in (numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16),
-                      numerics.compare("lse", lse[b:b + 1], ref_lse, base_lse, torch.float32)):
-                assert c.ok, f"{form}, pages of {page_size}, {splits} splits, batch {b} (seqlen {n}): {c}"
+            _assert_decode_matches_truth(o, lse, q, b, kb, vb, f"{form}, pages of {page_size}, {splits} splits, "
+                                                               f"seqlen {n}")
 
 
 _GLUON_DECODE_CASES = {  # name: (seqlen_q, (Hq, Hk), attention_with_kvcache's mask and score arguments)
@@ -466,13 +464,8 @@ def test_gluon_fp8_decode_masks_and_scores_match_the_truth(rng, case, paged, D):
                 kb, vb = (c[table[b].long()].reshape(-1, Hk, D)[:n].transpose(0, 1)[None] for c in (kf, vf))
             else:
                 kb, vb = (c[b, :n].transpose(0, 1)[None] for c in (kf, vf))
-            qb = q[b:b + 1].transpose(1, 2)
-            ref_kw = dict(**features, alibi_slopes=None if slopes is None else slopes[b:b + 1], sinks=sinks)
-            ref_o, ref_lse = numerics.torch_attention(qb, kb, vb, compute_dtype=torch.float64, **ref_kw)
-            base_o, base_lse = numerics.torch_attention(qb, kb.bfloat16(), vb.bfloat16(), **ref_kw)
-            for c in (numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16),
-                      numerics.compare("lse", lse[b:b + 1], ref_lse, base_lse, torch.float32)):
-                assert c.ok, f"{case}, {splits} splits, batch {b} (seqlen {n}): {c}"
+            _assert_decode_matches_truth(o, lse, q, b, kb, vb, f"{case}, {splits} splits, seqlen {n}", **features,
+                                         alibi_slopes=None if slopes is None else slopes[b:b + 1], sinks=sinks)
 
 
 # (batch, Hq, Hk, head_dim, page_size, context, table form): issue 5's serving sizes over float8 pages
@@ -503,12 +496,7 @@ def test_gluon_fp8_decode_at_serving_sizes(rng, batch, nhead_q, nhead_k, D, page
     o, lse = fmha.attention_with_kvcache(q, kc, vc, return_lse=True, **kw)
     for b, n in enumerate(lengths):
         kb, vb = (c[rows[b].long()].reshape(-1, nhead_k, D)[:n].transpose(0, 1)[None] for c in (kf, vf))
-        qb = q[b:b + 1].transpose(1, 2)
-        ref_o, ref_lse = numerics.torch_attention(qb, kb, vb, compute_dtype=torch.float64)
-        base_o, base_lse = numerics.torch_attention(qb, kb.bfloat16(), vb.bfloat16())
-        for c in (numerics.compare("o", o[b:b + 1].transpose(1, 2), ref_o, base_o, torch.bfloat16),
-                  numerics.compare("lse", lse[b:b + 1], ref_lse, base_lse, torch.float32)):
-            assert c.ok, f"batch {b} (seqlen {n}): {c}"
+        _assert_decode_matches_truth(o, lse, q, b, kb, vb, f"seqlen {n}")
 
 
 def test_gluon_fp8_decode_reads_cache_rows_by_cache_batch_idx(rng):
