@@ -175,7 +175,7 @@ def test_kernels_explain_any_family(capsys):
                            head_dim)
         assert code == 0 and f"selected: fwd_splitkv_fp16-bf16_{tile}" in out, out
     code, out, _ = run(capsys, "kernels", "explain", "--family", "fwd_splitkv", *decode)
-    assert code == 0 and "selected: fwd_splitkv_fp16-bf16_d1-128_cuda_triton_m16n64w4s3" in out
+    assert code == 0 and "selected: fwd_splitkv_fp16-bf16_d65-128_cuda_triton_m16n64w4s3" in out
     code, out, _ = run(capsys, "kernels", "explain", "--family", "bwd_dq_dk_dv", "--arch", "sm90", "--dtype", "bf16",
                        "--hdim-q", "128")
     assert code == 0 and "family: bwd_dq_dk_dv" in out and "selected: bwd_dq_dk_dv" in out

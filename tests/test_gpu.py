@@ -206,12 +206,38 @@ def test_paged_decode_at_serving_sizes(rng, page_size, nhead_q, head_dim):
     q = randn((B, 1, nhead_q, head_dim), torch.bfloat16, rng, CUDA)
     kn = randn((B, 1, Hk, head_dim), torch.bfloat16, rng, CUDA)
     vn = randn((B, 1, Hk, head_dim), torch.bfloat16, rng, CUDA)
-    from fmha import numerics
     o, lse = fmha.attention_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=seqlens, block_table=bt,
                                          causal=True, return_lse=True)
     ks = _gather_cache(kc, bt, [n + 1 for n in lengths])
     vs = _gather_cache(vc, bt, [n + 1 for n in lengths])
-    for b in range(B):
+    _assert_decode_matches_truth(q, o, lse, ks, vs)
+
+
+@pytest.mark.parametrize("nhead_q,head_dim", [(32, 128), (64, 64), (32, 64), (32, 256)])
+def test_contiguous_decode_at_serving_sizes(rng, nhead_q, head_dim):
+    """A decode step (append k/v at cache_seqlens, causal) over a contiguous 16-bit cache at every head dim's
+    own tile (D=64: 128-key tiles, D=128: 64 keys, D=256: 32), sequences of 1 to 8191 keys, against the
+    float64 truth per sequence."""
+    B, Hk, cap = 8, 8, 8192
+    kc = randn((B, cap, Hk, head_dim), torch.bfloat16, rng, CUDA)
+    vc = randn((B, cap, Hk, head_dim), torch.bfloat16, rng, CUDA)
+    lengths = [1, 100, 1000, 4097, 8191, 8000, 2048, 777]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=CUDA)
+    q = randn((B, 1, nhead_q, head_dim), torch.bfloat16, rng, CUDA)
+    kn = randn((B, 1, Hk, head_dim), torch.bfloat16, rng, CUDA)
+    vn = randn((B, 1, Hk, head_dim), torch.bfloat16, rng, CUDA)
+    o, lse = fmha.attention_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=seqlens, causal=True,
+                                         return_lse=True)
+    ks = [kc[b, :n + 1].transpose(0, 1)[None] for b, n in enumerate(lengths)]
+    vs = [vc[b, :n + 1].transpose(0, 1)[None] for b, n in enumerate(lengths)]
+    _assert_decode_matches_truth(q, o, lse, ks, vs)
+
+
+def _assert_decode_matches_truth(q, o, lse, ks, vs):
+    """Each sequence b's decode output and LSE against the float64 truth over keys ks[b], vs[b] ((1, Hk, L, D),
+    the cache after the append), with the bound of a same-dtype baseline."""
+    from fmha import numerics
+    for b in range(q.shape[0]):
         qb = q[b:b + 1].transpose(1, 2)
         ref_o, ref_lse = numerics.torch_attention(qb, ks[b], vs[b], compute_dtype=torch.float64, causal=True)
         base_o, base_lse = numerics.torch_attention(qb, ks[b], vs[b], causal=True)

@@ -307,7 +307,11 @@ def default_registry() -> Registry:
         Algorithm(16, block_n, 1, 3, pipeline=Pipeline.GLUON, programs_per_sm=4),
         notes="one-warp decode over a float8 cache: K/V by cp.async, straight into mma operands")
         for d, block_n in ((128, 32), (64, 32), (256, 16))]
-    configs += [_config(Family.FWD_SPLITKV, half, cuda, 128, 16, 64, 4, 3, 1, kv, slower_for_fp8_cache=True),
+    # A 16-bit cache takes 64-key tiles at D 65-128 (0.99x cuDNN's decode at D=128) and 128-key tiles at
+    # D <= 64, the same bytes a tile: at D=64 those ran 1.02-1.04x the 64-key tiles at 8k and 32k keys, 1.06-1.08x
+    # over pages of 64, 0.98-0.99x at B=128 with 2k keys (4 stages of 64 keys: 1.02-1.04x overall; H200,
+    # 2026-12-02, attempt 113). cuDNN stays 1.03-1.08x ahead at D=64.
+    configs += [_config(Family.FWD_SPLITKV, half, cuda, 128, 16, 64, 4, 3, 65, kv, slower_for_fp8_cache=True),
                 _config(Family.FWD_SPLITKV, half, cuda, 128, 16, 128, 4, 3, 1, kv)]
     configs += _family_configs(Family.FWD_SPLITKV, [
         (half, cuda, 256, 16, 32, 4, 2, 129, kv),
