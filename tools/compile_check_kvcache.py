@@ -63,7 +63,7 @@ def splitkv_jobs():
                 # pages of 16 (a shift) in the row modes; the usual cache: int32 offsets, K/V alike
                 constexprs = dict(PAGED=paged, TABLE_INDPTR=indptr, PAGE_PER_TILE=per_tile,
                                   PAGE_SHIFT=4 if paged and not per_tile else -1, OFFSETS_32=True,
-                                  KV_SAME_STRIDES=True,
+                                  KV_SAME_STRIDES=True, FP8_ASM=False, FP8_K_AT_DOT=False, F16_DOTS=False,
                                   HAS_CACHE_BATCH_IDX=batch_idx, IS_VARLEN=varlen, SPLIT=split, KV_FP8=False,
                                   LAUNCH_DEPENDENTS=split,  # (sm_90: the combine follows by PDL)
                                   DOT_PRECISION="ieee", BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=d, BLOCK_DV=d,
