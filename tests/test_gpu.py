@@ -201,11 +201,7 @@ def test_paged_decode_at_serving_sizes(rng, page_size, nhead_q, head_dim):
     kc = randn((num_pages, page_size, Hk, head_dim), torch.bfloat16, rng, CUDA)
     vc = randn((num_pages, page_size, Hk, head_dim), torch.bfloat16, rng, CUDA)
     bt = torch.randperm(num_pages, device=CUDA).reshape(B, pages_per_seq).int()
-    lengths = [1, 100, 1000, 4097, 8191, 8000, 2048, 777]
-    seqlens = torch.tensor(lengths, dtype=torch.int32, device=CUDA)
-    q = randn((B, 1, nhead_q, head_dim), torch.bfloat16, rng, CUDA)
-    kn = randn((B, 1, Hk, head_dim), torch.bfloat16, rng, CUDA)
-    vn = randn((B, 1, Hk, head_dim), torch.bfloat16, rng, CUDA)
+    lengths, seqlens, q, kn, vn = _decode_step(rng, B, nhead_q, Hk, head_dim)
     o, lse = fmha.attention_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=seqlens, block_table=bt,
                                          causal=True, return_lse=True)
     ks = _gather_cache(kc, bt, [n + 1 for n in lengths])
@@ -221,16 +217,23 @@ def test_contiguous_decode_at_serving_sizes(rng, nhead_q, head_dim):
     B, Hk, cap = 8, 8, 8192
     kc = randn((B, cap, Hk, head_dim), torch.bfloat16, rng, CUDA)
     vc = randn((B, cap, Hk, head_dim), torch.bfloat16, rng, CUDA)
-    lengths = [1, 100, 1000, 4097, 8191, 8000, 2048, 777]
-    seqlens = torch.tensor(lengths, dtype=torch.int32, device=CUDA)
-    q = randn((B, 1, nhead_q, head_dim), torch.bfloat16, rng, CUDA)
-    kn = randn((B, 1, Hk, head_dim), torch.bfloat16, rng, CUDA)
-    vn = randn((B, 1, Hk, head_dim), torch.bfloat16, rng, CUDA)
+    lengths, seqlens, q, kn, vn = _decode_step(rng, B, nhead_q, Hk, head_dim)
     o, lse = fmha.attention_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=seqlens, causal=True,
                                          return_lse=True)
     ks = [kc[b, :n + 1].transpose(0, 1)[None] for b, n in enumerate(lengths)]
     vs = [vc[b, :n + 1].transpose(0, 1)[None] for b, n in enumerate(lengths)]
     _assert_decode_matches_truth(q, o, lse, ks, vs)
+
+
+def _decode_step(rng, batch, nhead_q, nhead_k, head_dim):
+    """(lengths, cache_seqlens, q, new k, new v) of one decode step of `batch` <= 8 sequences, 1 to 8191 keys
+    before it."""
+    lengths = [1, 100, 1000, 4097, 8191, 8000, 2048, 777][:batch]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=CUDA)
+    q = randn((batch, 1, nhead_q, head_dim), torch.bfloat16, rng, CUDA)
+    kn = randn((batch, 1, nhead_k, head_dim), torch.bfloat16, rng, CUDA)
+    vn = randn((batch, 1, nhead_k, head_dim), torch.bfloat16, rng, CUDA)
+    return lengths, seqlens, q, kn, vn
 
 
 def _assert_decode_matches_truth(q, o, lse, ks, vs):
