@@ -2,7 +2,7 @@
 
     python examples/03_benchmark.py
 
-Times fmha.attention (forward, and forward + backward) with fmha.bench.time_ms (CUDA
+Times fmha.attention (forward, and forward + backward) with fmha.bench.suite.time_ms (CUDA
 events on a GPU, perf_counter on the CPU, where the interpreter is timed: slow, and no
 measure of kernel speed), reports TFLOP/s in the FlashAttention convention, and checks
 the output of every timed problem. For the full harness: `fmha bench --suite quick`.
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import fmha
-from fmha.bench import time_ms
+from fmha.bench.suite import time_ms
 
 from _common import DEVICE, check, done, header, qkv, sizes, truth_and_baseline
 

@@ -3,7 +3,7 @@
     python examples/04_validation.py
 
 How fmha checks itself: the truth is fmha.reference (numpy, float64); the baseline is
-the same math in plain PyTorch at the kernel's dtype (fmha.numerics.torch_attention);
+the same math in plain PyTorch at the kernel's dtype (fmha.testing.numerics.torch_attention);
 a result passes when max|out - truth| <= 2 * max|baseline - truth| + slack. The example
 also shows that the check can fail: a perturbed output is refused.
 """
@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 import fmha
-from fmha import numerics, reference
+from fmha import reference
+from fmha.testing import numerics
 
 from _common import done, header, qkv, sizes
 

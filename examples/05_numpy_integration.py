@@ -12,8 +12,9 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from fmha import numerics, reference
+from fmha import reference
 from fmha.numpy_api import attention
+from fmha.testing import numerics
 
 from _common import check, done, header, sizes
 

@@ -14,7 +14,7 @@ import sys
 import torch
 from rich.console import Console
 
-from fmha import sweeps
+from fmha.testing import sweeps
 
 from _common import done, header
 

@@ -14,7 +14,7 @@ import torch
 
 import fmha
 from fmha import Algorithm, DType, Family, KernelConfig, Registry, Signature
-from fmha.configs import CPU, CUDA_ARCHS
+from fmha.dispatch.configs import CPU, CUDA_ARCHS
 
 from _common import ON_GPU, done, header, qkv, run_checked, sizes
 

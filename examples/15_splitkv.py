@@ -12,6 +12,7 @@ attention, checked against fmha.reference.attention_with_kvcache.
 import torch
 
 import fmha
+from fmha.ops import prepare
 
 from _common import DEVICE, done, header, kvcache_checked, randn, sizes
 
@@ -25,7 +26,7 @@ lens = torch.tensor([S_cache - 5 - 7 * b for b in range(B)], dtype=torch.int32, 
 dispatcher = fmha.get_dispatcher()
 problem = fmha.Problem(batch=B, nhead_q=Hq, nhead_k=Hk, seqlen_q=1, seqlen_k=S_cache, head_dim_qk=D,
                        head_dim_v=D, dtype=fmha.DType.FP16, layout="bshd",
-                       arch=fmha.api._arch_of(torch.device(DEVICE)), seqused_k=True)
+                       arch=prepare.arch_of(torch.device(DEVICE)), seqused_k=True)
 config, _ = dispatcher.select(problem, fmha.Family.FWD_SPLITKV)
 sm = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 1
 heuristic = dispatcher.num_splits(problem, sm, config.algorithm.block_m, config.algorithm.block_n)

@@ -12,7 +12,7 @@ Forward and backward are checked sequence by sequence against the float64 truth.
 import torch
 
 import fmha
-from fmha import numerics
+from fmha.testing import numerics
 
 from _common import DEVICE, check, done, header, randn, sizes, truth_and_baseline
 

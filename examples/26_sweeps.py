@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from fmha import sweeps
+from fmha.testing import sweeps
 
 from _common import done, header
 

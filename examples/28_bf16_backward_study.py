@@ -9,7 +9,7 @@ inputs, judged by CK's allclose tolerance; (c) fp16 against bf16. bf16's errors 
 round to the input dtype before the second matmul (as FlashAttention does).
 """
 
-from fmha import numerics_study
+from fmha.testing import numerics_study
 
 from _common import DEVICE, done, header, sizes
 

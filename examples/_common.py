@@ -1,6 +1,6 @@
 """Helpers shared by the examples: device, random inputs, checks against the float64 truth.
 
-Every check follows fmha.numerics: the error of fmha's result against the float64 truth
+Every check follows fmha.testing.numerics: the error of fmha's result against the float64 truth
 may be at most twice the error of the same math done plainly in PyTorch at the inputs'
 dtype, plus a small slack. A failed check raises, so a failing example exits non-zero.
 """
@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 import fmha
-from fmha import numerics, reference
+from fmha import reference
+from fmha.testing import numerics
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"

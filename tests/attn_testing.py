@@ -9,7 +9,8 @@ import torch
 import torch.utils._python_dispatch
 
 import fmha
-from fmha import numerics, reference
+from fmha import reference
+from fmha.testing import numerics
 
 
 def randn(shape, dtype, rng, device="cpu", scale=1.0):

@@ -41,7 +41,7 @@ def _fresh_launch_plans():
     """Every test starts and ends without launcher plans (kernels/launch_cache.py): their keys
     hold the launchers' arguments, not module state a test may monkeypatch (tile shapes, SM
     counts, default tile orders)."""
-    from fmha.kernels import launch_cache
+    from fmha.kernels.launch import cache as launch_cache
 
     launch_cache.clear_plans()
     yield

@@ -1,4 +1,4 @@
-"""Config autofill (fmha.configs.autofill, `fmha kernels autofill`) and the rules configs obey."""
+"""Config autofill (fmha.dispatch.autofill, `fmha kernels autofill`) and the rules configs obey."""
 
 import json
 
@@ -8,7 +8,8 @@ import torch
 
 import fmha
 from fmha import ConfigError, Dispatcher, Family, KernelConfig, Registry, cli, reference
-from fmha.configs import CUDA_ARCHS, DENSE_FEATURES, KVCACHE_FEATURES, autofill, autofill_report
+from fmha.dispatch.autofill import autofill, autofill_report
+from fmha.dispatch.configs import CUDA_ARCHS, DENSE_FEATURES, KVCACHE_FEATURES
 from fmha.problem import DType, Feature
 
 

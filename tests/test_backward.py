@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fmha
+from fmha.ops import attention as attention_ops
 
 from attn_testing import check_backward, make_qkv, randn
 
@@ -215,7 +216,7 @@ def test_gradients_through_lse_alone(rng):
     """Only the returned LSE is used: o's gradient is None (not materialized) and lse.sum()'s
     gradient is an expanded, stride-0 view, which the kernels used to read with lse's strides
     (past its one element: garbage gradients, ~1e17). The gradients match float64 autograd."""
-    from fmha import numerics
+    from fmha.testing import numerics
     q, k, v = make_qkv(rng, batch=1, nhead_q=2, nhead_k=1, seqlen_q=13, seqlen_k=19, head_dim=16,
                        dtype=torch.float32)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -232,9 +233,9 @@ def test_dot_do_o_zeroes_the_dq_accumulator(rng):
     """Stage 1 of the atomic backward zeroes the fp32 dQ accumulator (no fill kernel of its own):
     every row and head-dim column of it (q's head dim, here wider than v's), with delta still
     rowsum(dO * O). The accumulator starts as NaN, so a row left out shows."""
-    from fmha.kernels.loader import family_module
+    from fmha.kernels.launch.loader import family_module
 
-    bwd = family_module("bwd", interpreted=True)
+    bwd = family_module("triton.bwd", interpreted=True)
     b, h, s, dqk, dv = 2, 3, 37, 40, 24  # 37 rows: a partial last block of 16
     o, do = randn((b, h, s, dv), torch.float16, rng), randn((b, h, s, dv), torch.float16, rng)
     lse, delta = randn((b, h, s), torch.float32, rng), torch.full((b, h, s), float("nan"))
@@ -247,7 +248,7 @@ def test_dot_do_o_zeroes_the_dq_accumulator(rng):
 def test_backward_gradients_with_an_unzeroed_dq_accumulator(rng, monkeypatch):
     """The dense atomic backward allocates its dQ accumulator without zeroing it (stage 1 does):
     with that buffer filled with NaN first, the gradients still match the reference."""
-    original = fmha.api._dq_accumulator
+    original = attention_ops.dq_accumulator
 
     def poisoned(*args):
         acc, zeroed = original(*args)
@@ -255,7 +256,7 @@ def test_backward_gradients_with_an_unzeroed_dq_accumulator(rng, monkeypatch):
             acc.fill_(float("nan"))
         return acc, zeroed
 
-    monkeypatch.setattr(fmha.api, "_dq_accumulator", poisoned)
+    monkeypatch.setattr(attention_ops, "dq_accumulator", poisoned)
     for layout in ("bhsd", "bshd"):
         q, k, v = make_qkv(rng, batch=2, nhead_q=4, nhead_k=2, seqlen_q=37, seqlen_k=45, head_dim=32,
                            dtype=torch.float16, layout=layout)

@@ -8,7 +8,7 @@ import torch
 import fmha
 from fmha import reference
 from fmha.compat.flash_attn import flash_attn_varlen_func
-from fmha.numerics import max_abs_error
+from fmha.testing.numerics import max_abs_error
 
 from attn_testing import randn
 

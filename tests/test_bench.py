@@ -1,4 +1,4 @@
-"""fmha.bench without a GPU: suites, FLOPs, summaries, writers, and the no-CUDA refusal."""
+"""fmha.bench.suite without a GPU: suites, FLOPs, summaries, writers, and the no-CUDA refusal."""
 
 import csv
 import io
@@ -10,8 +10,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from fmha import Problem, bench, cli
-from fmha.bench import Shape
+from fmha import Problem, cli
+from fmha.bench import suite as bench
+from fmha.bench.suite import Shape
 
 
 def test_standard_suite_covers_the_performance_issue_shapes():
@@ -340,8 +341,8 @@ def test_decode_suite_runs_and_reports_on_the_cpu(tmp_path):
     output agrees with SDPA's over the same keys, bandwidth counts a float8 cache's bytes as
     one an element, a contender that cannot run (cuDNN on the CPU) is reported n/a with its error,
     and the table and JSON are written."""
-    from fmha import bench_decode
-    from fmha.bench_decode import DecodeShape
+    from fmha.bench import decode as bench_decode
+    from fmha.bench.decode import DecodeShape
 
     shapes = [DecodeShape(2, 4, 2, 64, 32, "fp16", page, fp8) for page in (0, 16) for fp8 in (False, True)]
     calls = []

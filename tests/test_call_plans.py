@@ -1,6 +1,6 @@
 """The api's call plans: a plain `attention` call repeated with inputs of the same metadata and
-the same scalars skips validation, description and dispatch (api._ForwardPlan), and a plain
-eager backward repeats its three launches' plans (api._BackwardPlan). A plan must give what
+the same scalars skips validation, description and dispatch (call_plans.ForwardPlan), and a plain
+eager backward repeats its three launches' plans (attention_ops.BackwardPlan). A plan must give what
 the full path gives, and must never serve a call the full path would refuse. (That planned
 launches pass what the launchers build: tests/test_launch_cache.py, which also holds the decode
 call plans' tests on the H200 path: CPU tensors never take one, below.)"""
@@ -11,7 +11,9 @@ import torch
 
 import fmha
 from fmha import api, kvcache, reference
-from fmha.numerics import max_abs_error
+from fmha.kernels.launch import plan_tables
+from fmha.ops import call_plans
+from fmha.testing.numerics import max_abs_error
 
 from attn_testing import SeenOps, make_qkv, randn
 
@@ -44,8 +46,8 @@ def test_a_repeated_call_takes_its_plan_and_gives_the_full_paths_answer(rng, mon
     first = fmha.attention(q, k, v, **kw)
     q2, k2, v2 = (t.clone() + 0.5 for t in (q, k, v))  # other tensors, the same metadata
     planned = fmha.attention(q2, k2, v2, **kw)
-    assert len(calls) == 1 and len(api._FORWARD_PLANS) == 1
-    api.clear_plans()
+    assert len(calls) == 1 and len(call_plans.FORWARD_PLANS) == 1
+    plan_tables.clear_plans()
     full = fmha.attention(q2, k2, v2, **kw)
     assert len(calls) == 2
     for a, b in zip(planned if return_lse else (planned,), full if return_lse else (full,), strict=True):
@@ -65,7 +67,7 @@ def test_a_plan_never_serves_a_call_the_full_path_refuses(rng, kw, bad, error):
     q, k, v = _qkv(rng)
     fmha.attention(q, k, v, **kw)
     fmha.attention(q, k, v, **kw)
-    assert len(api._FORWARD_PLANS) == 1
+    assert len(call_plans.FORWARD_PLANS) == 1
     with pytest.raises(error):
         fmha.attention(q, k, v, **bad)
 
@@ -76,25 +78,25 @@ def test_calls_with_optional_tensors_dropout_or_a_seed_take_no_plan(rng):
     fmha.attention(q, k, v, dropout_p=0.1)
     fmha.attention(q, k, v, seed=3)
     fmha.attention(q, k, v, sinks=torch.rand(2))
-    assert not api._FORWARD_PLANS
+    assert not call_plans.FORWARD_PLANS
     fmha.attention(q, k, v, dropout_p=0.0)
-    assert len(api._FORWARD_PLANS) == 1
+    assert len(call_plans.FORWARD_PLANS) == 1
 
 
 def test_a_plan_serves_autograd_calls_with_the_same_gradients(rng):
     q, k, v = _qkv(rng)
     with torch.no_grad():
         fmha.attention(q, k, v, causal=True)  # the plan
-    assert len(api._FORWARD_PLANS) == 1
+    assert len(call_plans.FORWARD_PLANS) == 1
 
     def grads():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         o = fmha.attention(*leaves, causal=True)
-        assert type(o.grad_fn).__name__ in ("_PlannedAttentionBackward", "_EagerAttentionBackward")
+        assert type(o.grad_fn).__name__ in ("PlannedAttentionBackward", "EagerAttentionBackward")
         return (o, *torch.autograd.grad(o, leaves, torch.ones_like(o)))
 
     planned = grads()
-    api.clear_plans()
+    plan_tables.clear_plans()
     for a, b in zip(planned, grads(), strict=True):
         assert torch.equal(a, b)
 
@@ -102,7 +104,7 @@ def test_a_plan_serves_autograd_calls_with_the_same_gradients(rng):
 def test_dispatch_modes_see_the_op_even_with_a_plan(rng):
     q, k, v = _qkv(rng)
     fmha.attention(q, k, v)
-    assert len(api._FORWARD_PLANS) == 1
+    assert len(call_plans.FORWARD_PLANS) == 1
     with SeenOps() as seen:
         fmha.attention(q, k, v)
     assert any("fmha.fwd" in op or "fmha::fwd" in op for op in seen.ops)
@@ -111,9 +113,9 @@ def test_dispatch_modes_see_the_op_even_with_a_plan(rng):
 def test_a_dispatcher_change_forgets_the_plans(rng):
     q, k, v = _qkv(rng)
     fmha.attention(q, k, v)
-    assert len(api._FORWARD_PLANS) == 1
+    assert len(call_plans.FORWARD_PLANS) == 1
     with api.use_dispatcher(None):
-        assert not api._FORWARD_PLANS
+        assert not call_plans.FORWARD_PLANS
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -155,8 +157,8 @@ def test_a_repeated_varlen_call_takes_its_plan_and_gives_the_full_paths_answer(r
     fmha.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, **kw)
     q2, k2, v2 = (t.clone() + 0.5 for t in (q, k, v))  # other tensors, the same metadata and lengths
     planned = fmha.attention_varlen(q2, k2, v2, cu_q.clone(), cu_k.clone(), mq, mk, **kw)
-    assert len(calls) == 1 and len(api._FORWARD_PLANS) == 1
-    api.clear_plans()
+    assert len(calls) == 1 and len(call_plans.FORWARD_PLANS) == 1
+    plan_tables.clear_plans()
     full = fmha.attention_varlen(q2, k2, v2, cu_q, cu_k, mq, mk, **kw)
     assert len(calls) == 2
     for a, b in zip(planned if return_lse else (planned,), full if return_lse else (full,), strict=True):
@@ -167,7 +169,7 @@ def test_a_varlen_plan_serves_autograd_calls_with_the_same_gradients(rng):
     q, k, v, cu_q, cu_k, mq, mk = _packed(rng)
     with torch.no_grad():
         fmha.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=True)  # the plan
-    assert len(api._FORWARD_PLANS) == 1
+    assert len(call_plans.FORWARD_PLANS) == 1
 
     def grads():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -175,9 +177,9 @@ def test_a_varlen_plan_serves_autograd_calls_with_the_same_gradients(rng):
         return (type(o.grad_fn).__name__, o, *torch.autograd.grad(o, leaves, torch.ones_like(o)))
 
     planned = grads()
-    api.clear_plans()
+    plan_tables.clear_plans()
     full = grads()
-    assert planned[0] == "_PlannedAttentionBackward" and full[0] != planned[0]
+    assert planned[0] == "PlannedAttentionBackward" and full[0] != planned[0]
     for a, b in zip(planned[1:], full[1:], strict=True):
         assert torch.equal(a, b)
 
@@ -223,7 +225,7 @@ def _fp8_inputs(rng, granularity="head", scale=1.0, layout="bhsd"):
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_a_repeated_fp8_call_takes_its_plan_with_the_calls_descales(rng, monkeypatch, granularity, layout):
     """A float8 call repeated with inputs and descales of the same metadata takes its plan
-    (api._Fp8ForwardPlan) and reads the new call's descale values: its output is the full
+    (call_plans.Fp8ForwardPlan) and reads the new call's descale values: its output is the full
     path's for the same inputs, bitwise, and within the fp8 bound of the float64 truth. (Without
     descales: out_dtype left to its default too, the call an unplanned 16-bit plan lookup sees.)"""
     from fp8_testing import bound, check_close
@@ -242,8 +244,8 @@ def test_a_repeated_fp8_call_takes_its_plan_with_the_calls_descales(rng, monkeyp
     call(_fp8_inputs(rng, granularity if granularity != "none" else "tensor", 1.0, layout))
     second = _fp8_inputs(rng, granularity if granularity != "none" else "tensor", 3.0, layout)  # other values
     planned = call(second)
-    assert len(calls) == 1 and [type(p).__name__ for p in api._FORWARD_PLANS.values()] == ["_Fp8ForwardPlan"]
-    api.clear_plans()
+    assert len(calls) == 1 and [type(p).__name__ for p in call_plans.FORWARD_PLANS.values()] == ["Fp8ForwardPlan"]
+    plan_tables.clear_plans()
     full = call(second)
     assert len(calls) == 2
     assert all(torch.equal(a, b) for a, b in zip(planned, full, strict=True))
@@ -262,7 +264,7 @@ def test_an_fp8_plan_never_serves_a_call_the_full_path_refuses(rng):
     (q8, qd, _), (k8, kd, _), (v8, vd, _) = _fp8_inputs(rng, "head")
     for _ in range(2):
         fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
-    assert len(api._FORWARD_PLANS) == 1
+    assert len(call_plans.FORWARD_PLANS) == 1
     with pytest.raises(ValueError, match="finite and > 0"):
         fmha.attention(q8, k8, v8, q_descale=qd, k_descale=-kd, v_descale=vd)
     with pytest.raises(ValueError, match="finite and > 0"):
@@ -274,4 +276,4 @@ def test_an_fp8_plan_never_serves_a_call_the_full_path_refuses(rng):
     with pytest.raises(ValueError, match="k_descale has shape"):
         fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd[:, :1].expand(1, 2), v_descale=vd)
     o = fmha.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float16)
-    assert o.dtype == torch.float16 and len(api._FORWARD_PLANS) == 2
+    assert o.dtype == torch.float16 and len(call_plans.FORWARD_PLANS) == 2

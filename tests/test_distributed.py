@@ -2,7 +2,7 @@
 
 Each rank runs the interpreted kernels on its slice; the gathered output, LSE and
 gradients must be as close to the float64 truth as single-device `fmha.attention` on
-the full sequence (the 2x rule of fmha.numerics). One spawn per world size runs all of
+the full sequence (the 2x rule of fmha.testing.numerics). One spawn per world size runs all of
 its cases (process start-up dominates at these sizes).
 """
 

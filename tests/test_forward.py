@@ -5,7 +5,7 @@ import torch
 
 import fmha
 from fmha import reference
-from fmha.numerics import max_abs_error
+from fmha.testing.numerics import max_abs_error
 
 from attn_testing import check_attention, make_qkv, randn
 

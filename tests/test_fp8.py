@@ -1,5 +1,5 @@
 """FP8 forward on the CPU: quantize helpers, argument checks, and the real kernel through
-Triton's interpreter (fmha.kernels.loader patches its float8 conversions to be exact).
+Triton's interpreter (fmha.kernels.launch.loader patches its float8 conversions to be exact).
 
 Kernel results are checked against the float64 reference on the dequantized inputs with
 the element-wise fp8 error bound derived in tests/fp8_testing.py.
@@ -230,7 +230,7 @@ def test_gluon_fp8_v_transposed_with_key_permutation_gives_p_v(seqlen, view):
     keys rounded up to 32, permuted within each block of 32 as the kernel permutes P's keys,
     zeros past the end (finite where the masked P is 0); P_perm V_perm = P V (to float64
     rounding). Without the permutation: the plain V^T."""
-    from fmha.kernels.fwd_gluon import _transposed
+    from fmha.kernels.gluon.fwd import _transposed
 
     rng = _rng()
     B, H, D = 2, 3, 16
@@ -258,8 +258,8 @@ def test_fp8_vt_kernel_copies_as_the_torch_permutation_does(seqlen, head_dim, vi
     than the keys and D, writes the bytes the torch copy above (checked against P V) writes,
     zeros included, over a buffer filled with other bytes; each program's keys are permuted
     within blocks of 32 and D split across programs."""
-    from fmha.kernels.fwd_gluon import _transposed_by_torch
-    from fmha.kernels.loader import family_module
+    from fmha.kernels.gluon.fwd import _transposed_by_torch
+    from fmha.kernels.launch.loader import family_module
 
     rng = _rng()
     v = _x((2, 3, seqlen, head_dim), rng).to(E4M3)
@@ -268,7 +268,7 @@ def test_fp8_vt_kernel_copies_as_the_torch_permutation_does(seqlen, head_dim, vi
     expected = torch.full((2, 3, head_dim, n), 7, dtype=torch.uint8)
     _transposed_by_torch(v, expected, key_perm)
     got = torch.full((2, 3, head_dim, n), 9, dtype=torch.uint8)
-    family_module("fp8_vt", interpreted=True).launch_vt(v.view(torch.uint8), got, key_perm=key_perm,
+    family_module("gluon.fp8_vt", interpreted=True).launch_vt(v.view(torch.uint8), got, key_perm=key_perm,
                                                         block_s=32, block_d=16)
     assert torch.equal(got, expected)
 
@@ -414,7 +414,7 @@ def test_fp8_cache_is_converted_once_without_byte_loads(q_dtype, kv_dtype, cvt):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     from compile_check_kvcache import compiled_with_runtime_divisibility
 
-    from fmha.kernels import kvcache
+    from fmha.kernels.triton import kvcache
 
     pointers = {"Q": q_dtype, "K": kv_dtype, "V": kv_dtype, "O": q_dtype, "LSE": "fp32", "Alibi": "fp32",
                 "Sinks": "fp32", "KDescale": "fp32", "VDescale": "fp32",
@@ -474,7 +474,7 @@ def test_bf16_queries_over_a_float8_cache_take_fp16_products():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     from compile_check_kvcache import compiled_with_runtime_divisibility
 
-    from fmha.kernels import kvcache
+    from fmha.kernels.triton import kvcache
 
     pointers = {"Q": "bf16", "K": "fp8e4nv", "V": "fp8e4nv", "O": "bf16", "LSE": "fp32", "Alibi": "fp32",
                 "Sinks": "fp32", "KDescale": "fp32", "VDescale": "fp32",
@@ -521,7 +521,7 @@ def test_gluon_fp8_decode_copies_16_bytes_and_feeds_the_products_from_registers(
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from fmha.kernels import kvcache_gluon
+    from fmha.kernels.gluon import kvcache as kvcache_gluon
 
     block_n = {64: 32, 128: 32, 256: 16}[head_dim]
     tile = block_n * head_dim  # bytes of K (and of V) a tile
@@ -548,7 +548,7 @@ def test_gluon_fp8_decode_refuses_calls_outside_its_signature_before_launching()
     """kvcache_gluon.launch_attention (reached only through the registry's fp8_decode signature)
     still names what it cannot take, before any launch: a head dim other than 64/128/256, more than
     16 query rows a (sequence, KV head); compile_spec refuses such a head dim too."""
-    from fmha.kernels import kvcache_gluon
+    from fmha.kernels.gluon import kvcache as kvcache_gluon
 
     def call(seqlen_q, head_dim):
         q = torch.zeros(2, seqlen_q, 8, head_dim, dtype=torch.bfloat16)

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fmha import DType, Family, Registry, api, default_registry, precompile
-from fmha.configs import Pipeline
-from fmha.dispatcher import Dispatcher
+from fmha import DType, Family, Registry, api, default_registry
+from fmha.dispatch import precompile
+from fmha.dispatch.configs import Pipeline
+from fmha.dispatch.dispatcher import Dispatcher
+from fmha.ops import prepare
 from fmha.problem import MaskAlign, Problem
 
 
@@ -224,7 +226,7 @@ def test_persistent_is_refused_outside_the_gluon_forward_and_ws_backward():
     PERSISTENT, every head dim); not the Triton kernels or the plain Gluon dK/dV kernel."""
     import dataclasses
 
-    from fmha.configs import Algorithm, ConfigError, KernelConfig
+    from fmha.dispatch.configs import Algorithm, ConfigError, KernelConfig
 
     for head_dim in (64, 128, 256):
         config = _bwd_gluon_config(head_dim)
@@ -252,7 +254,7 @@ def test_persistent_backward_compile_spec():
     runs: PERSISTENT, the causal tile order from SHAPES (D=64 heads, 1; else the default, pairs),
     0 without a mask;
     one kv_empty mbarrier more shared memory, still within 227 KB for the registry's tiles."""
-    from fmha.kernels import bwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     for head_dim, block_m, block_n, stages in ((64, 128, 128, 2), (128, 64, 128, 3), (256, 64, 64, 2)):
         spec = functools.partial(bwd_gluon.compile_spec, "bf16", head_dim, block_m, block_n, stages,
@@ -339,8 +341,8 @@ def test_gluon_ws_persistent_backward_compiles_for_sm90(tmp_path, monkeypatch, h
     D=64's causal_pairs variant is TILE_ORDER 2, its causal one 1."""
     import dataclasses
 
-    from fmha.configs import KernelConfig
-    from fmha.kernels import bwd_gluon
+    from fmha.dispatch.configs import KernelConfig
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     config = _bwd_gluon_config(head_dim)
     config = KernelConfig(config.signature, dataclasses.replace(config.algorithm, persistent=True))
@@ -361,7 +363,7 @@ def test_gluon_ws_persistent_backward_compiles_for_sm90(tmp_path, monkeypatch, h
         assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
         assert "red.global" not in ptx and "atom.global" not in ptx
         assert "%nctaid.x" in ptx
-    from fmha import precompile
+    from fmha.dispatch import precompile
 
     orders = {v: dict(job.constexprs)["TILE_ORDER"] for v, job in precompile.gluon_jobs(config, dtype)}
     assert orders == {"plain": 0, "causal": bwd_gluon.preferred_tile_order(head_dim), "causal_pairs": 2} \
@@ -370,11 +372,11 @@ def test_gluon_ws_persistent_backward_compiles_for_sm90(tmp_path, monkeypatch, h
 
 def test_tma_alignment_detection():
     x = torch.randn(2, 4, 64, 128, dtype=torch.bfloat16)
-    assert api._tma_aligned(x, x.transpose(1, 2))
-    assert not api._tma_aligned(torch.randn(2, 4, 64, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte rows
+    assert prepare.tma_aligned(x, x.transpose(1, 2))
+    assert not prepare.tma_aligned(torch.randn(2, 4, 64, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte rows
     shifted = torch.randn(x.numel() + 1, dtype=torch.bfloat16)[1:].view(x.shape)  # base 2 bytes off
-    assert not api._tma_aligned(shifted)
-    assert not api._tma_aligned(torch.ones(1, 1, 1, 64, dtype=torch.bfloat16).expand(2, 4, 64, 64))
+    assert not prepare.tma_aligned(shifted)
+    assert not prepare.tma_aligned(torch.ones(1, 1, 1, 64, dtype=torch.bfloat16).expand(2, 4, 64, 64))
     q = torch.randn(2, 4, 64, 64, dtype=torch.bfloat16)
     assert api.problem_of(q, q, q).tma_aligned
 
@@ -390,7 +392,7 @@ def _tma_aligned_by_definition(t) -> bool:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_tma_alignment_rule_on_views(dtype):
-    from fmha.kernels.gluon_common import tma_aligned
+    from fmha.kernels.gluon.common import tma_aligned
 
     base = torch.randn(8192).to(dtype)
     for offset in (0, 1, 2, 4, 8, 16):
@@ -467,7 +469,7 @@ def test_gluon_backward_compiles_for_sm90_with_dq_by_tma_reduce(tmp_path, monkey
 def _ws_d64_config(**change):
     import dataclasses
 
-    from fmha.configs import KernelConfig
+    from fmha.dispatch.configs import KernelConfig
 
     config = next(c for c in default_registry() if c.algorithm.pipeline == Pipeline.GLUON_WS
                   and c.family == Family.BWD_DQ_DK_DV and c.signature.head_dims == (64,))
@@ -478,7 +480,7 @@ def _ws_d64_config(**change):
 def test_gluon_ws_d64_m128_backward_compiles_for_sm90(tmp_path, monkeypatch, stages, dq_bufs):
     """The 128-query warp-specialized D=64 dK/dV kernel (block_m 128: two 64-query halves a
     stage, one 128 x 64 dQ hand-over) fits in 227 KB; 3 stages only with one dQ buffer."""
-    from fmha.kernels import bwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     shapes = {p: {d: dict(sh) for d, sh in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
     shapes["gluon_ws"][64]["dq_bufs"] = dq_bufs
@@ -490,8 +492,8 @@ def test_gluon_ws_d64_m128_backward_compiles_for_sm90(tmp_path, monkeypatch, sta
 def test_gluon_ws_m128_limits():
     """block_m 128 only at D=64 and at most 3 stages; 3 stages with two dQ buffers exceed 227 KB
     (refused when the launch is built, since SHAPES is not part of the config)."""
-    from fmha.configs import ConfigError
-    from fmha.kernels import bwd_gluon
+    from fmha.dispatch.configs import ConfigError
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     _ws_d64_config(block_m=128, num_stages=2)
     with pytest.raises(ConfigError, match="block_m 128"):
@@ -513,7 +515,7 @@ def _ws_d256_config(**change):
     """The registry's warp-specialized D=256 dK/dV config, optionally edited."""
     import dataclasses
 
-    from fmha.configs import KernelConfig
+    from fmha.dispatch.configs import KernelConfig
 
     config = next(c for c in default_registry() if c.algorithm.pipeline == Pipeline.GLUON_WS
                   and c.family == Family.BWD_DQ_DK_DV and c.signature.head_dims == (256,))
@@ -531,7 +533,7 @@ def test_gluon_ws_d256_backward_compiles_for_sm90(tmp_path, monkeypatch, shape):
     """The warp-specialized D=256 dK/dV kernel (64 keys x 64 queries, 2 stages, dQ staged in
     the consumed Q/dO stage: bwd_gluon._ws_compute_d256) fits in 227 KB without dQ buffers,
     and adds dQ in two column halves by TMA reduce-add (or red.v4 where TMA cannot)."""
-    from fmha.kernels import bwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     shapes = {p: {d: dict(sh) for d, sh in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
     shapes["gluon_ws"][256].update(D256_WS_SHAPES[shape])
@@ -551,8 +553,8 @@ def test_gluon_ws_d256_backward_compiles_for_sm90(tmp_path, monkeypatch, shape):
 def test_gluon_ws_d256_limits():
     """At D=256 the warp-specialized kernel takes 64 x 64 tiles and at most 2 stages (a third
     64 KB Q/dO stage needs 280 KB); its launch passes dQ's 128-column halves to the TMA."""
-    from fmha.configs import ConfigError
-    from fmha.kernels import bwd_gluon
+    from fmha.dispatch.configs import ConfigError
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     _ws_d256_config()
     for change in (dict(num_stages=3), dict(block_n=128), dict(block_m=128), dict(num_warps=4)):
@@ -601,7 +603,7 @@ def test_gluon_configs_outside_the_kernels_shapes_are_refused(family, change, me
     at compile time (the kernel's static_assert)."""
     import dataclasses
 
-    from fmha.configs import ConfigError, KernelConfig
+    from fmha.dispatch.configs import ConfigError, KernelConfig
 
     config = next(c for c in default_registry() if c.algorithm.pipeline.is_gluon and c.family == family
                   and not c.algorithm.persistent)
@@ -613,7 +615,7 @@ def test_persistent_forward_compile_spec():
     """fwd_gluon.compile_spec(persistent=True) gives the kernel launch(persistent=True) runs: O
     in its own buffer where shared memory allows (D 64/128), in Q's at D 256 and never for fp8
     (bf16 output from registers); one program per SM (the registers allow no second)."""
-    from fmha.kernels import fwd_gluon
+    from fmha.kernels.gluon import fwd as fwd_gluon
 
     def constexprs(*args, **kw):
         return fwd_gluon.compile_spec(*args, causal=True, **kw)[1]
@@ -637,7 +639,7 @@ def test_persistent_causal_tile_order():
     import sys
     from pathlib import Path
 
-    from fmha.kernels import fwd_gluon
+    from fmha.kernels.gluon import fwd as fwd_gluon
 
     spec = functools.partial(fwd_gluon.compile_spec, "bf16", 128, 128, 128, 2, pingpong=True)
     assert spec(causal=True, persistent=True)[1]["TILE_ORDER"] == 2
@@ -652,8 +654,8 @@ def test_persistent_causal_tile_order():
 def test_short_causal_d128_takes_heads_outermost():
     """launch's default tile order (attempt 41): heads outermost at D=128 with <= 8 row tiles a
     head, pairs elsewhere; `fmha kernels build` compiles that order as its own variant."""
-    from fmha import precompile
-    from fmha.kernels import fwd_gluon
+    from fmha.dispatch import precompile
+    from fmha.kernels.gluon import fwd as fwd_gluon
 
     assert [fwd_gluon.default_tile_order(128, n) for n in (1, 8, 9, 64)] == [1, 1, 2, 2]
     assert {fwd_gluon.default_tile_order(d, n) for d in (64, 256) for n in (1, 8, 64)} == {2}
@@ -709,7 +711,7 @@ def test_window_backward_compile_spec_and_refusals():
     """compile_spec(window=True) is the kernel launch_dkdv(window_left=...) runs (CAUSAL=LEFT_WINDOW,
     window_left a runtime i32); a window without causal, or on the persistent kernel, is refused
     before anything is launched."""
-    from fmha.kernels import bwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     for ws in (False, True):
         signature, constexprs, _ = bwd_gluon.compile_spec("bf16", 128, 64, 128, 2 if not ws else 3, causal=True,
@@ -738,8 +740,8 @@ def test_gluon_window_backward_compiles_for_sm90(tmp_path):
 
     code = """
 import json
-from fmha import precompile
-from fmha.kernels import bwd_gluon
+from fmha.dispatch import precompile
+from fmha.kernels.gluon import bwd as bwd_gluon
 sig, cx, opt = bwd_gluon.compile_spec("bf16", 128, 64, 128, 3, causal=True, warp_specialized=True, window=True)
 job = precompile.CompileJob(bwd_gluon.__name__, "bwd_dkdv_ws_kernel", tuple(sig.items()), tuple(cx.items()),
                             opt["num_warps"], 1, "gluon", opt["maxnreg"])

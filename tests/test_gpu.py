@@ -9,6 +9,7 @@ import torch
 
 import fmha
 from fmha import reference
+from fmha.ops import call_plans
 
 from attn_testing import check_attention, check_backward, make_qkv, randn
 
@@ -38,8 +39,8 @@ def test_planned_calls_match_the_truth(rng, dtype, layout, causal, head_dim):
     """Repeated calls take the api's call plans and the launchers' plans, launched through
     Triton's C launcher directly (kernels/launch_cache.py): the forward and the eager backward of
     a second call with new inputs of the same metadata, against the float64 truth."""
-    from fmha import api
-    from fmha.kernels import bwd_gluon, fwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
+    from fmha.kernels.gluon import fwd as fwd_gluon
 
     for _ in range(2):  # the first call of each makes the plans, the second runs them
         q, k, v = qkv(rng, dtype, layout=layout, batch=2, nhead_q=8, nhead_k=2, seqlen_q=1024, seqlen_k=1024,
@@ -47,7 +48,7 @@ def test_planned_calls_match_the_truth(rng, dtype, layout, causal, head_dim):
         with torch.no_grad():
             check_attention(q, k, v, layout=layout, causal=causal, truth="torch64")
         check_backward(q, k, v, layout=layout, causal=causal, truth="torch64")
-    (planned,) = api._FORWARD_PLANS.values()
+    (planned,) = call_plans.FORWARD_PLANS.values()
     assert len(planned.backward_plans) == 1  # (autograd calls: _PlannedAttention, the plan's backward)
     assert planned.launched is not None and planned.launched.plan.direct is not None
     assert all(p.plan.direct is not None for p in (*fwd_gluon._PLANS.values(), *bwd_gluon._PLANS.values()))
@@ -239,7 +240,7 @@ def _decode_step(rng, batch, nhead_q, nhead_k, head_dim):
 def _assert_decode_matches_truth(q, o, lse, ks, vs):
     """Each sequence b's decode output and LSE against the float64 truth over keys ks[b], vs[b] ((1, Hk, L, D),
     the cache after the append), with the bound of a same-dtype baseline."""
-    from fmha import numerics
+    from fmha.testing import numerics
     for b in range(q.shape[0]):
         qb = q[b:b + 1].transpose(1, 2)
         ref_o, ref_lse = numerics.torch_attention(qb, ks[b], vs[b], compute_dtype=torch.float64, causal=True)
@@ -279,7 +280,8 @@ def test_launch_cache_separates_alignments_and_matches_the_jit(rng):
     """A cached launch of a kernel with an argument of other alignment gets its own compiled
     kernel (the JIT specializes on 16-byte alignment), and every launch computes what the
     JIT's own call computes."""
-    from fmha.kernels import bwd, launch_cache
+    from fmha.kernels.launch import cache as launch_cache
+    from fmha.kernels.triton import bwd
 
     base = torch.randn(4 * 1000 * 64 + 1, device=CUDA)
     for offset in (0, 1, 0, 1):  # aligned, 4 bytes off, then both again (cache hits)

@@ -2,7 +2,7 @@
 
 Two processes (one per GPU) run `fmha.distributed.ring_attention` forward and backward on
 their slices; the gathered output, LSE and gradients are checked against single-GPU
-`fmha.attention` on the full sequence with the 2x rule of fmha.numerics: the truth is
+`fmha.attention` on the full sequence with the 2x rule of fmha.testing.numerics: the truth is
 single-GPU fmha on the same (bf16-rounded) inputs in fp32 (exact fp32 dots), the baseline
 single-GPU fmha in bf16. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends are
 set in every process before init_process_group).

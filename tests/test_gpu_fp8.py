@@ -13,10 +13,12 @@ import triton
 import triton.language as tl
 
 import fmha
-from fmha import numerics
 from fmha.api import use_dispatcher
 from fmha.fp8 import quantize_fp8
-from fmha.kernels import kvcache, plan_tables
+from fmha.kernels.launch import plan_tables
+from fmha.kernels.triton import kvcache
+from fmha.ops import call_plans
+from fmha.testing import numerics
 
 from fp8_testing import quantized, run_and_check, run_and_check_varlen, stored_as
 
@@ -140,7 +142,7 @@ def test_fp8_vt_kernel_matches_the_torch_copy(rng, shape, view, key_perm):
     """The V^T scratch of the Gluon fp8 forward, copied by `fp8_vt.vt_kernel` on the GPU: the same
     bytes as torch's strided copy (`_transposed_by_torch`, whose layout the CPU tests check against
     P V), zeros past the keys included, at the benchmark's size, odd lengths and every V view."""
-    from fmha.kernels.fwd_gluon import _transposed, _transposed_by_torch
+    from fmha.kernels.gluon.fwd import _transposed, _transposed_by_torch
 
     v = _x(shape, rng).to(E4M3)
     v = stored_as(v, view)
@@ -156,8 +158,9 @@ def test_fp8_planned_calls_match_the_truth(rng, granularity, causal):
     launchers' plans (V^T copied by the copy's own plan, the call's descales passed, Triton's C
     launcher directly): the second and third calls, with new inputs and descales of other
     values, against the fp8 bound; one plan of each, made by the first call."""
-    from fmha import api
-    from fmha.kernels import fp8_vt, fwd_gluon, plan_tables
+    from fmha.kernels.gluon import fp8_vt
+    from fmha.kernels.gluon import fwd as fwd_gluon
+    from fmha.kernels.launch import plan_tables
 
     plan_tables.clear_plans()
     for scale in (1.0, 3.0, 0.5):  # (the descales follow the inputs' scale)
@@ -165,7 +168,7 @@ def test_fp8_planned_calls_match_the_truth(rng, granularity, causal):
         run_and_check(q, k, v, granularity=granularity, causal=causal, gpu=True)
     (planned,) = fwd_gluon._PLANS.values()
     (vt_planned,) = fp8_vt._PLANS.values()
-    (call_plan,) = api._FORWARD_PLANS.values()
+    (call_plan,) = call_plans.FORWARD_PLANS.values()
     assert planned.plan.direct is not None and vt_planned.plan.direct is not None
     assert call_plan.launched is planned
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import fmha
-from fmha.kernels.persistent_schedule import causal_tile_order
+from fmha.kernels.gluon.persistent_schedule import causal_tile_order
+from fmha.kernels.launch import plan_tables
+from fmha.ops import call_plans
 
 from attn_testing import check_attention, make_qkv
 
@@ -150,7 +152,7 @@ def test_gluon_backward_bshd_realistic_and_strided_dout(rng):
     o = fmha.attention(qg, kg, vg, layout="bshd", causal=True)
     o.sum().backward()
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    from fmha.numerics import torch_attention
+    from fmha.testing.numerics import torch_attention
     qr, kr, vr = (t.transpose(1, 2) for t in ref)
     torch_attention(qr, kr, vr, causal=True, compute_dtype=torch.float64)[0].sum().backward()
     for got, want in zip((qg, kg, vg), ref, strict=True):
@@ -163,8 +165,8 @@ def _backward_dispatcher(pipeline):
     persistent ones (D=64's first choice; tested by `_check_persistent_backward`): the one-tile
     kernel with or without warp specialization, whichever the registry puts first."""
     from fmha import Registry, default_registry
-    from fmha.configs import Family
-    from fmha.dispatcher import Dispatcher
+    from fmha.dispatch.configs import Family
+    from fmha.dispatch.dispatcher import Dispatcher
 
     configs = [c for c in default_registry()
                if not (c.family == Family.BWD_DQ_DK_DV and c.algorithm.pipeline.is_gluon
@@ -215,7 +217,7 @@ def test_gluon_backward_sliding_window(rng, pipeline, head_dim, left, align, sha
 
 def _change_bwd_shape(monkeypatch, pipeline, head_dim, changes):
     """bwd_gluon.SHAPES[pipeline][head_dim] updated with `changes` for this test only."""
-    from fmha.kernels import bwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     shapes = {p: {d: dict(sh) for d, sh in by_dim.items()} for p, by_dim in bwd_gluon.SHAPES.items()}
     shapes[pipeline][head_dim].update(changes)
@@ -242,8 +244,8 @@ def _m128_dispatcher(stages):
     import dataclasses
 
     from fmha import Registry, default_registry
-    from fmha.configs import Family, Pipeline
-    from fmha.dispatcher import Dispatcher
+    from fmha.dispatch.configs import Family, Pipeline
+    from fmha.dispatch.dispatcher import Dispatcher
 
     configs = []
     for c in default_registry():
@@ -342,7 +344,9 @@ def _persistent_launches(monkeypatch, programs=None, tile_order=None):
     programs, persistent_schedule.causal_tile_order); returns the list the
     launches' (grid, number of CTA
     tiles) are appended to."""
-    from fmha.kernels import fwd_gluon, launch_cache, loader
+    from fmha.kernels.gluon import fwd as fwd_gluon
+    from fmha.kernels.launch import cache as launch_cache
+    from fmha.kernels.launch import loader
 
     seen = []
     real_launch, real_cache_launch = fwd_gluon.launch, launch_cache.launch
@@ -375,7 +379,7 @@ def _persistent_launches(monkeypatch, programs=None, tile_order=None):
     if programs is not None:
         monkeypatch.setattr(fwd_gluon, "_sm_count", lambda device: programs)
     # the compiled module's guarded launchers wrap the functions they found: a fresh one
-    monkeypatch.setitem(loader._guarded, "fwd_gluon", loader._GuardedModule(fwd_gluon))
+    monkeypatch.setitem(loader._guarded, "gluon.fwd", loader._GuardedModule(fwd_gluon))
     return seen
 
 
@@ -450,7 +454,8 @@ def test_gluon_forward_persistent_tile_orders(rng, monkeypatch, tile_order, head
 def _lazy_rescale(monkeypatch, tau=None):
     """Make every fp16/bf16 Gluon forward launch use RESCALE_TAU = tau (None: fwd_gluon.TAU_HALF)
     unless it names its own; returns the list of the RESCALE_TAU values the kernel launches got."""
-    from fmha.kernels import fwd_gluon, launch_cache
+    from fmha.kernels.gluon import fwd as fwd_gluon
+    from fmha.kernels.launch import cache as launch_cache
 
     tau = fwd_gluon.TAU_HALF if tau is None else tau
     monkeypatch.setattr(fwd_gluon, "default_rescale_tau", lambda head_dim, persistent, fp8: 0.0 if fp8 else tau)
@@ -553,8 +558,8 @@ def _persistent_bwd_dispatcher():
     import dataclasses
 
     from fmha import Registry, default_registry
-    from fmha.configs import Family, Pipeline
-    from fmha.dispatcher import Dispatcher
+    from fmha.dispatch.configs import Family, Pipeline
+    from fmha.dispatch.dispatcher import Dispatcher
 
     configs = []
     for c in default_registry():
@@ -573,7 +578,9 @@ def _persistent_bwd_launches(monkeypatch, programs=None, tile_order=None):
     through SHAPES and run whether or not it balances the programs; None: SHAPES' own per head
     dim, where it balances, else pairs: persistent_schedule.causal_tile_order); returns the list
     the persistent launches' (grid, number of key tiles) are appended to."""
-    from fmha.kernels import bwd_gluon, launch_cache, loader
+    from fmha.kernels.gluon import bwd as bwd_gluon
+    from fmha.kernels.launch import cache as launch_cache
+    from fmha.kernels.launch import loader
 
     seen = []
     real_launch, real_cache_launch = bwd_gluon.launch_dkdv, launch_cache.launch
@@ -608,7 +615,7 @@ def _persistent_bwd_launches(monkeypatch, programs=None, tile_order=None):
     if programs is not None:
         monkeypatch.setattr(bwd_gluon, "_sm_count", lambda device: programs)
     # the compiled module's guarded launchers wrap the functions they found: a fresh one
-    monkeypatch.setitem(loader._guarded, "bwd_gluon", loader._GuardedModule(bwd_gluon))
+    monkeypatch.setitem(loader._guarded, "gluon.bwd", loader._GuardedModule(bwd_gluon))
     return seen
 
 
@@ -700,7 +707,7 @@ def _calls_of(monkeypatch, module, name):
 
 
 def _varlen_launches(monkeypatch):
-    from fmha.kernels import fwd_gluon
+    from fmha.kernels.gluon import fwd as fwd_gluon
 
     return _calls_of(monkeypatch, fwd_gluon, "_launch_varlen")
 
@@ -708,7 +715,7 @@ def _varlen_launches(monkeypatch):
 def _check_varlen_forward(rng, dtype, head_dim, lens_q, lens_k, hq, hk, **kw):
     """fmha.attention_varlen against float64 attention of each sequence alone (o: the 2x rule
     against the same math at the inputs' dtype; lse to 1e-3)."""
-    from fmha.numerics import torch_attention
+    from fmha.testing.numerics import torch_attention
 
     from attn_testing import randn
 
@@ -760,7 +767,7 @@ def test_gluon_varlen_forward_features_suite_shape(rng, monkeypatch):
 
 
 def _varlen_backward_launches(monkeypatch):
-    from fmha.kernels import bwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     return _calls_of(monkeypatch, bwd_gluon, "_launch_dkdv_varlen")
 
@@ -768,8 +775,8 @@ def _varlen_backward_launches(monkeypatch):
 def _check_varlen_backward(rng, dtype, head_dim, lens_q, lens_k, hq, hk, **kw):
     """dq, dk, dv of fmha.attention_varlen against float64 autograd of each sequence alone (the
     2x rule against the same math at the inputs' dtype, `numerics.compare`)."""
-    from fmha import numerics
-    from fmha.numerics import torch_attention
+    from fmha.testing import numerics
+    from fmha.testing.numerics import torch_attention
 
     from attn_testing import randn
 
@@ -832,7 +839,8 @@ def test_gluon_dkdv_grid_orders(rng, monkeypatch, order, case):
     (batch or sequence, KV head, key tile) a program takes) covers every key tile once: D=128 bf16
     causal, GQA, varlen (empty and long sequences) and dense (the registry's one-tile kernel at
     D=128), against float64."""
-    from fmha.kernels import bwd_gluon, plan_tables
+    from fmha.kernels.gluon import bwd as bwd_gluon
+    from fmha.kernels.launch import plan_tables
 
     from attn_testing import check_backward
 
@@ -859,16 +867,15 @@ def test_gluon_varlen_planned_calls_match_the_truth(rng, monkeypatch, direction)
     """Repeated attention_varlen calls on CUDA take the api's call plan and the launchers' plans
     (keyed by metadata: the lengths live on the device) with new inputs and new lengths of the same
     metadata: forward, and backward through the planned call, against float64 per sequence."""
-    from fmha import api
-    from fmha.kernels import bwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     calls = (_varlen_launches if direction == "forward" else _varlen_backward_launches)(monkeypatch)
     check = _check_varlen_forward if direction == "forward" else _check_varlen_backward
-    api.clear_plans()
+    plan_tables.clear_plans()
     # (the same total and longest sequence each time: the same metadata; empty and odd-start sequences)
     for lens in ([700, 0, 300, 24], [100, 700, 200, 24], [3, 700, 5, 316]):
         check(rng, torch.bfloat16, 128, lens, lens, 4, 2, causal=True)
-    (planned,) = api._FORWARD_PLANS.values()  # (the first call made it; the metadata repeats)
+    (planned,) = call_plans.FORWARD_PLANS.values()  # (the first call made it; the metadata repeats)
     assert planned.problem.varlen
     if direction == "forward":  # (the second call keeps the launcher's plan, the third launches it directly)
         assert len(calls) == 2 and planned.launched is not None and planned.launched.plan.direct is not None

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import fmha
-from fmha import numerics
 from fmha.compat.flash_attn import flash_attn_varlen_func
+from fmha.testing import numerics
 
 from attn_testing import randn
 

@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import fmha
-from fmha import kernel_cache, numerics
-from fmha.kernels import loader
+from fmha.kernels.launch import jit_cache as kernel_cache
+from fmha.kernels.launch import loader
+from fmha.testing import numerics
 
 from attn_testing import check_attention, check_backward, randn
 
@@ -278,7 +279,7 @@ def test_deterministic_backward_with_bias_grad_is_bitwise_reproducible(rng):
 
 def test_a_truncated_cubin_is_evicted_and_recompiled_at_launch(rng, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    fwd = loader.family_module("fwd", interpreted=False)
+    fwd = loader.family_module("triton.fwd", interpreted=False)
     module = fwd._module
     kernel_cache.clear_jit_caches(kernel_cache.jit_functions(module))  # compile into tmp_path
     # Head dim 72: the Triton forward (the Gluon one serves 64/128/256 on sm90).

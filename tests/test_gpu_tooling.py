@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import fmha
-from fmha import Dispatcher, Family, Registry, cli, tuning
-from fmha.configs import autofill
+from fmha import Dispatcher, Family, Registry, cli
+from fmha.bench import tuner
+from fmha.dispatch import tuning
+from fmha.dispatch.autofill import autofill
 from fmha.problem import DType, Problem
 
 from attn_testing import check_attention, check_backward, make_qkv
@@ -37,8 +39,8 @@ def test_tune_times_real_candidates_and_the_dispatcher_runs_the_winner_correctly
     registry = Registry([*stock, *extra], name="stock+2")
     db = tuning.TuningDB(tmp_path / "tuning.json")
     problems = [_problem(arch, causal) for causal in (False, True)]
-    results = tuning.tune(problems, [Family.FWD, Family.BWD_DQ_DK_DV], registry=registry, db=db,
-                          timer=tuning.gpu_timer(warmup_ms=10, rep_ms=40))
+    results = tuner.tune(problems, [Family.FWD, Family.BWD_DQ_DK_DV], registry=registry, db=db,
+                          timer=tuner.gpu_timer(warmup_ms=10, rep_ms=40))
     print(json.dumps([r.to_dict() for r in results], indent=1))
     for r in results:
         assert not r.errors, r.errors

@@ -1,5 +1,5 @@
 """The host path of a call: plain eager calls that autograd does not need skip torch's
-custom-op dispatch (api._direct); every other call still goes through the registered op."""
+custom-op dispatch (attention_ops.direct_op); every other call still goes through the registered op."""
 
 import inspect
 
@@ -8,10 +8,12 @@ import torch
 
 import fmha
 from fmha import api
-from fmha.configs import Family
-from fmha.dispatcher import Dispatcher
+from fmha.dispatch.configs import Family
+from fmha.dispatch.dispatcher import Dispatcher
+from fmha.dispatch.registry import default_registry
+from fmha.ops import attention as attention_ops
+from fmha.ops import prepare
 from fmha.problem import DType, Problem
-from fmha.registry import default_registry
 
 from attn_testing import SeenOps, make_qkv
 
@@ -24,21 +26,22 @@ def _qkv(rng, requires_grad=False):
 
 def test_no_grad_eager_call_runs_the_body_directly(rng):
     q, k, v = _qkv(rng)
-    assert api._direct(api._fwd_op, (q, k, v)) is api._fwd_op._init_fn
+    assert attention_ops.direct_op(attention_ops.fwd_op, (q, k, v)) is attention_ops.fwd_op._init_fn
     direct = fmha.attention(q, k, v, causal=True)
-    through_op = api._fwd_op(q, k, v, None, None, None, None, None, None, 0, 0, "bhsd", None, True, -1, 0,
+    through_op = attention_ops.fwd_op(q, k, v, None, None, None, None, None, None, 0, 0, "bhsd", None, True, -1, 0,
                              "bottom_right", 0, 0.0, 0.0, 0, 0, False)[0]
     assert torch.equal(direct, through_op)
 
 
 def test_calls_autograd_needs_keep_the_op_or_take_the_eager_function(rng):
     q, k, v = _qkv(rng, requires_grad=True)
-    assert api._direct(api._fwd_op, (q, k, v)) is api._fwd_op
-    assert api._direct(api._fwd_op, (q, k, v), autograd=api._EagerAttention) == api._EagerAttention.apply
+    ops = attention_ops
+    assert ops.direct_op(ops.fwd_op, (q, k, v)) is ops.fwd_op
+    assert ops.direct_op(ops.fwd_op, (q, k, v), autograd=ops.EagerAttention) == ops.EagerAttention.apply
     with torch.no_grad():
-        assert api._direct(api._fwd_op, (q, k, v), autograd=api._EagerAttention) is api._fwd_op._init_fn
+        assert ops.direct_op(ops.fwd_op, (q, k, v), autograd=ops.EagerAttention) is ops.fwd_op._init_fn
     o = fmha.attention(q, k, v, causal=True)
-    assert type(o.grad_fn).__name__ == "_EagerAttentionBackward"
+    assert type(o.grad_fn).__name__ == "EagerAttentionBackward"
     o.sum().backward()
     assert all(t.grad is not None for t in (q, k, v))
 
@@ -50,7 +53,7 @@ def test_eager_autograd_function_matches_the_registered_op(rng):
     q, k, v = _qkv(rng, requires_grad=True)
     do, dlse = torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9)
     results = []
-    for fn in (api._fwd_op, api._EagerAttention.apply):
+    for fn in (attention_ops.fwd_op, attention_ops.EagerAttention.apply):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         o, lse = fn(*leaves, None, None, None, None, None, None, *scalars)
         results.append((o, lse, *torch.autograd.grad((o, lse), leaves, (do, dlse))))
@@ -64,7 +67,7 @@ def test_dispatch_modes_and_torch_function_modes_see_the_op(rng):
         fmha.attention(q, k, v)
     assert any("fmha.fwd" in op for op in mode.ops), mode.ops
     with torch.device("cpu"):  # a torch-function mode
-        assert api._direct(api._fwd_op, (q, k, v)) is api._fwd_op
+        assert attention_ops.direct_op(attention_ops.fwd_op, (q, k, v)) is attention_ops.fwd_op
 
 
 def test_torch_compile_of_an_inference_call_keeps_the_op_in_the_graph(rng):
@@ -82,8 +85,8 @@ def test_torch_compile_of_an_inference_call_keeps_the_op_in_the_graph(rng):
 
 def test_op_arguments_reach_prepare_in_its_own_order():
     """_prepare_op passes an op's flattened arguments positionally."""
-    assert tuple(inspect.signature(api._prepare).parameters)[3:] == api._OP_ARGS
-    assert tuple(inspect.signature(api._fwd_op._init_fn).parameters)[3:] == api._OP_ARGS
+    assert tuple(inspect.signature(prepare.prepare_call).parameters)[3:] == prepare.OP_ARGS
+    assert tuple(inspect.signature(attention_ops.fwd_op._init_fn).parameters)[3:] == prepare.OP_ARGS
 
 
 def _grads(fn, leaves, do, dlse, kw):
@@ -125,18 +128,18 @@ def test_eager_backward_reuses_the_forward_and_matches_the_op(rng, case):
 
     def call(fn, leaves):
         args = {**inputs, **dict(zip(names, leaves, strict=True))}
-        return fn(*(args[n] for n in ("q", "k", "v", *api._OP_ARGS)))
+        return fn(*(args[n] for n in ("q", "k", "v", *prepare.OP_ARGS)))
 
-    o, lse = call(api._fwd_op, [inputs[n] for n in names])
+    o, lse = call(attention_ops.fwd_op, [inputs[n] for n in names])
     do, dlse = torch.randn(o.shape, generator=rng), torch.randn(lse.shape, generator=rng)
     results = []
-    for fn in (api._EagerAttention.apply, api._fwd_op):
+    for fn in (attention_ops.EagerAttention.apply, attention_ops.fwd_op):
         leaves = [inputs[n].detach().clone().requires_grad_() for n in names]
         if case == "bshd_views":  # keep the transposed strides
             leaves = [inputs[n].detach().transpose(1, 2).clone().transpose(1, 2).requires_grad_() for n in names]
         o, lse = call(fn, leaves)
         results.append((o, lse, *torch.autograd.grad((o, lse), leaves, (do, dlse))))
-    assert type(results[0][0].grad_fn).__name__ == "_EagerAttentionBackward"
+    assert type(results[0][0].grad_fn).__name__ == "EagerAttentionBackward"
     assert results[0][0].grad_fn.fmha_forward[0].varlen == (case == "varlen")  # (the kept Problem)
     for eager, op in zip(*results, strict=True):
         assert torch.equal(eager, op) and eager.stride() == op.stride() and eager.dtype == op.dtype
@@ -147,15 +150,15 @@ def test_eager_backward_reuses_the_forward_and_matches_the_op(rng, case):
 def test_backward_launches_are_cached_per_problem_and_follow_the_dispatcher():
     problem = Problem(batch=1, nhead_q=2, nhead_k=2, seqlen_q=8, seqlen_k=8, head_dim_qk=16, head_dim_v=16,
                       dtype=DType.FP32)
-    first = api._backward_launches(problem, False)
-    assert api._backward_launches(problem, False) is first
+    first = attention_ops.backward_launches(problem, False)
+    assert attention_ops.backward_launches(problem, False) is first
     plan = api.get_dispatcher().plan_backward(problem)
-    assert first.stage1 == api._algo(plan.config(Family.BWD_DOT_DO_O)) and first.dq is None
+    assert first.stage1 == prepare.algo_kwargs(plan.config(Family.BWD_DOT_DO_O)) and first.dq is None
     assert first.dkdv == plan.config(Family.BWD_DQ_DK_DV)
-    assert first.convert == api._algo(plan.config(Family.BWD_CONVERT_DQ))
+    assert first.convert == prepare.algo_kwargs(plan.config(Family.BWD_CONVERT_DQ))
     exact = api.get_dispatcher().plan_backward(problem, exact_delta=True)
-    assert api._backward_launches(problem, True).stage1 == api._algo(exact.config(Family.BWD_DQ))
-    deterministic = api._backward_launches(problem.with_(deterministic=True), False)
+    assert attention_ops.backward_launches(problem, True).stage1 == prepare.algo_kwargs(exact.config(Family.BWD_DQ))
+    deterministic = attention_ops.backward_launches(problem.with_(deterministic=True), False)
     assert deterministic.convert is None and deterministic.dq is not None
 
     class Counting(Dispatcher):
@@ -166,10 +169,10 @@ def test_backward_launches_are_cached_per_problem_and_follow_the_dispatcher():
             return super().plan_backward(problem, exact_delta=exact_delta)
 
     with api.use_dispatcher(Counting(default_registry())):  # a new dispatcher: planned again
-        api._backward_launches(problem, False)
-        api._backward_launches(problem, False)
+        attention_ops.backward_launches(problem, False)
+        attention_ops.backward_launches(problem, False)
         assert Counting.calls == 1
-    assert api._backward_launches(problem, False) is not first  # and again after it
+    assert attention_ops.backward_launches(problem, False) is not first  # and again after it
 
 
 def test_eager_backward_refuses_inputs_changed_since_the_forward(rng):

@@ -1,4 +1,4 @@
-"""Damaged Triton cache entries (fmha.kernel_cache): found, evicted, rebuilt, never trusted.
+"""Damaged Triton cache entries (fmha.kernels.launch.jit_cache): found, evicted, rebuilt, never trusted.
 
 The entries are real: `fmha kernels build` compiles convert_dq for sm90 into an empty
 cache (Triton ships ptxas; no GPU needed), then the tests damage one file the way an
@@ -18,7 +18,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.cache import FileCacheManager
 
-from fmha import Family, default_registry, kernel_cache, precompile
+from fmha import Family, default_registry
+from fmha.dispatch import precompile
+from fmha.kernels.launch import jit_cache as kernel_cache
 
 TARGET = GPUTarget("cuda", 90, 32)
 

@@ -6,8 +6,8 @@ import torch
 
 import fmha
 from fmha import reference
-from fmha.numerics import max_abs_error
 from fmha.problem import DType, MaskAlign
+from fmha.testing.numerics import max_abs_error
 
 from attn_testing import randn
 
@@ -70,7 +70,7 @@ def test_any_page_size(rng, page_size):
 def test_page_addressing_variants(rng, monkeypatch, offsets_32):
     """Pages of 16 (the page of a key is a shift), a V cache laid out unlike K (its own row
     offsets), and 64-bit offsets (what caches past 2**31 elements take) match the reference."""
-    from fmha.kernels import kvcache as kvcache_kernels
+    from fmha.kernels.triton import kvcache as kvcache_kernels
 
     monkeypatch.setattr(kvcache_kernels, "_offsets_fit_int32", lambda *caches: offsets_32)
     q, kc, vc, bt = paged_case(rng, page_size=16, pages_per_seq=3, seqlen_q=1)
@@ -80,7 +80,7 @@ def test_page_addressing_variants(rng, monkeypatch, offsets_32):
 
 
 def test_int32_offsets_only_where_they_fit():
-    from fmha.kernels.kvcache import _offsets_fit_int32
+    from fmha.kernels.triton.kvcache import _offsets_fit_int32
 
     fits = torch.empty((1024, 16, 8, 128), device="meta")  # 2**24 elements
     beyond = torch.empty((2**20, 16, 8, 128), device="meta")  # 2**34 elements
@@ -149,7 +149,7 @@ def test_merge_states_reads_the_parts_in_chunks(rng, n_parts):
 def test_combine_tile_fills_the_gpu_for_decode():
     """A split-KV decode's combine (256 rows, 4 splits) runs in 128 programs of 2 rows, all four
     partials of a row read at once; many partials are read 16 at a time."""
-    from fmha.kernels import kvcache as kernels
+    from fmha.kernels.triton import kvcache as kernels
 
     assert kernels.combine_tile(4, 32) == (2, 4)
     assert kernels.combine_tile(1, 32) == (8, 1)
@@ -226,7 +226,7 @@ def test_a_float8_cache_takes_its_own_decode_tile(rng, monkeypatch):
     slower, attempt 57) for the 128-key one, while a 16-bit cache keeps the 64-key tile."""
     import fmha.kvcache as api_kvcache
     from fmha.api import get_dispatcher
-    from fmha.configs import Family
+    from fmha.dispatch.configs import Family
     from fmha.problem import Feature
 
     seen = []
@@ -268,7 +268,7 @@ def test_the_gluon_fp8_decode_serves_decode_steps_and_explain_says_why_not(chang
     feature, split so that about four one-warp programs run an SM (its config's programs_per_sm); the
     rest goes to the Triton kernel, and explain names the reason."""
     from fmha.api import get_dispatcher
-    from fmha.configs import Family
+    from fmha.dispatch.configs import Family
     from fmha.problem import DType, Problem
 
     base = Problem(batch=32, nhead_q=32, nhead_k=8, seqlen_q=1, seqlen_k=8192, head_dim_qk=128, head_dim_v=128,
@@ -297,7 +297,7 @@ def test_the_gluon_fp8_decode_serves_decode_steps_and_explain_says_why_not(chang
     assert "_sm90_gluon_m16n32w1s3" in text.splitlines()[1], text
     assert "key splits: 2 (the split policy's, SplitPolicy(" in text
     assert "counting this kernel's 4 programs an SM" in text
-    assert "(kernels.kvcache_gluon)" in text
+    assert "(kernels.gluon.kvcache)" in text
     problem = base.with_(**change)
     config, _ = dispatcher.select(problem, Family.FWD_SPLITKV)
     assert not config.algorithm.pipeline.is_gluon, config.name
@@ -337,7 +337,7 @@ def test_explain_kvcache_says_what_the_call_would_launch_and_why(rng, monkeypatc
     assert "m16n64w4s3  (heuristic" in text16
     # the products' dtype of a float8 cache: fp16 for bf16 queries (scaled), q's own for fp16 ones
     assert ("float8 cache: converted to torch.float16 for the products (exact); bf16 queries scaled by a power "
-            "of two into fp16's range per program, P by 2**15 (kernels.kvcache)" in text)
+            "of two into fp16's range per program, P by 2**15 (kernels.triton.kvcache)" in text)
     text_fp16 = fmha.explain_kvcache(q.half(), cache, cache, cache_seqlens=seqlens)
     assert "float8 cache: converted to torch.float16 for the products (exact)\n" in text_fp16
     assert "float8 cache" not in text16

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from fmha.kernels import launch_cache
-from fmha.kernels.gluon_common import _shared_layout, descriptor
+from fmha.kernels.gluon.common import _shared_layout, descriptor
+from fmha.kernels.launch import cache as launch_cache
+from fmha.kernels.launch import plan_tables
+from fmha.ops import call_plans
 
 
 def test_int_keys_are_values_and_bools_differ_from_ints():
@@ -63,7 +65,9 @@ def _recorded_launches(monkeypatch):
 def test_every_argument_the_launchers_pass_has_a_key(monkeypatch):
     """A launcher passing an argument `_key_of` cannot key would fail only on the GPU (CPU
     runs take the interpreter, which bypasses the cache): check their real arguments here."""
-    from fmha.kernels import bwd, bwd_gluon, fwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
+    from fmha.kernels.gluon import fwd as fwd_gluon
+    from fmha.kernels.triton import bwd
 
     seen = _recorded_launches(monkeypatch)
     b, h, s, d = 2, 4, 256, 128
@@ -136,7 +140,7 @@ def test_every_decode_launch_has_a_key_and_the_16_bit_ones_are_cached(monkeypatc
     kernel's tensors."""
     import fmha
     from fmha import kvcache as api_kvcache
-    from fmha.kernels import kvcache as kernels
+    from fmha.kernels.triton import kvcache as kernels
 
     seen = _recorded_launches(monkeypatch)
     monkeypatch.setattr(api_kvcache, "family_module", lambda *a, **k: kernels)
@@ -175,7 +179,7 @@ def test_the_gluon_backward_adds_dq_by_tma_where_it_can_address_the_accumulator(
     descriptor (blocks of 64 queries x the dQ columns of one reduction); otherwise the
     unspecialized kernel takes its atomics and the warp-specialized one refuses (its writer
     adds 16-byte quads)."""
-    from fmha.kernels import bwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     seen = _recorded_launches(monkeypatch)
     b, h, s, d = 1, 2, 128, 128
@@ -200,7 +204,7 @@ def test_the_gluon_backward_adds_dq_by_tma_where_it_can_address_the_accumulator(
 
 
 def test_the_d256_backward_stages_dq_in_the_tiles_q_and_do_buffers(monkeypatch):
-    from fmha.kernels import bwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     seen = _recorded_launches(monkeypatch)
     b, h, s, d = 1, 2, 128, 256
@@ -272,7 +276,7 @@ def test_forward_plan_launches_what_the_launcher_builds(monkeypatch, persistent,
     """fwd_gluon.launch's plan, made by one call, run by the next with other tensors of the
     same metadata, passes exactly what the full launcher builds for those tensors (checked
     against a call after clear_plans); a call with other metadata makes a plan of its own."""
-    from fmha.kernels import fwd_gluon
+    from fmha.kernels.gluon import fwd as fwd_gluon
 
     runs = _recorded_runs(monkeypatch)
     monkeypatch.setattr(fwd_gluon, "_sm_count", lambda device: 132)
@@ -302,7 +306,7 @@ def test_fp8_forward_plan_launches_what_the_launcher_builds(monkeypatch, descale
     (V^T is a new scratch buffer in each: compared by value), and it passes the call's descale
     views; descales of other metadata make a plan of their own."""
     from fmha.fp8 import descale_view
-    from fmha.kernels import fwd_gluon
+    from fmha.kernels.gluon import fwd as fwd_gluon
 
     runs = _recorded_runs(monkeypatch)
 
@@ -345,7 +349,7 @@ def test_fp8_forward_plan_launches_what_the_launcher_builds(monkeypatch, descale
 def test_fp8_vt_plan_launches_what_the_launcher_builds(monkeypatch):
     """fp8_vt.launch_vt's plan (the V^T copy of every fp8 forward call) passes what its full path
     builds for other tensors of the same metadata."""
-    from fmha.kernels import fp8_vt
+    from fmha.kernels.gluon import fp8_vt
 
     runs = _recorded_runs(monkeypatch)
 
@@ -365,7 +369,7 @@ def test_fp8_vt_plan_launches_what_the_launcher_builds(monkeypatch):
 def test_dkdv_plan_launches_what_the_launcher_builds(monkeypatch, warp_specialized, persistent, stats_aligned):
     """bwd_gluon.launch_dkdv's plan against its full path, as for the forward (LSE/delta by TMA
     and, unaligned, by pointer)."""
-    from fmha.kernels import bwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     runs = _recorded_runs(monkeypatch)
     monkeypatch.setattr(bwd_gluon, "_sm_count", lambda device: 132)
@@ -389,7 +393,7 @@ def test_dkdv_plan_launches_what_the_launcher_builds(monkeypatch, warp_specializ
 
 def test_a_spy_on_launch_sees_every_launch(monkeypatch):
     """While `launch` is replaced, launchers build every launch (no plan), so the spy sees them."""
-    from fmha.kernels import fwd_gluon
+    from fmha.kernels.gluon import fwd as fwd_gluon
 
     _recorded_runs(monkeypatch)
     ts = [torch.empty(1, 2, 128, 64, dtype=torch.bfloat16) for _ in range(4)] + [torch.empty(1, 2, 128)]
@@ -409,7 +413,7 @@ def test_a_spy_on_launch_sees_every_launch(monkeypatch):
 def test_backward_helper_plans_launch_what_the_launchers_build(monkeypatch):
     """bwd.launch_dot_do_o (dense, no dlse/sinks) and bwd.launch_convert_dq: a plan run
     passes what the full launcher builds; a dot(dO, O) with dlse never takes a plan."""
-    from fmha.kernels import bwd
+    from fmha.kernels.triton import bwd
 
     runs = _recorded_runs(monkeypatch)
     b, h, s, d = 2, 4, 333, 64
@@ -448,7 +452,7 @@ def test_decode_plans_launch_what_the_launchers_build(monkeypatch, tables, num_s
     tables; one split or four into fp32 partials; plain, or with ALiBi slopes, sinks and a cache
     batch index) and launch_combine (without and with sinks): a plan run passes what the full
     launcher builds."""
-    from fmha.kernels import kvcache
+    from fmha.kernels.triton import kvcache
 
     runs = _recorded_runs(monkeypatch)
     b, hq, hk, d, page, pages = 3, 8, 2, 128, 16, 40
@@ -517,7 +521,7 @@ def test_split_decode_chains_the_combine_by_programmatic_dependent_launch(monkey
     dependents start (LAUNCH_DEPENDENTS) and the combine is launched with `launch_pdl` and waits
     for it (WAIT_PRIOR); one split has no dependent. Elsewhere (CPU tensors, the interpreter, or
     kvcache.PDL off) neither flag is set."""
-    from fmha.kernels import kvcache
+    from fmha.kernels.triton import kvcache
 
     seen = _recorded_launches(monkeypatch)
     monkeypatch.setattr(kvcache, "_pdl", lambda t: pdl)
@@ -622,7 +626,7 @@ def _check_direct_plan(monkeypatch, call, make):
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("o_dtype", [torch.bfloat16, torch.float32])
 def test_forward_direct_plan_passes_what_triton_passes(monkeypatch, persistent, o_dtype):
-    from fmha.kernels import fwd_gluon
+    from fmha.kernels.gluon import fwd as fwd_gluon
 
     monkeypatch.setattr(fwd_gluon, "_sm_count", lambda device: 132)
 
@@ -640,7 +644,7 @@ def test_forward_direct_plan_passes_what_triton_passes(monkeypatch, persistent, 
 
 @pytest.mark.parametrize("stats_aligned", [True, False])
 def test_dkdv_direct_plan_passes_what_triton_passes(monkeypatch, stats_aligned):
-    from fmha.kernels import bwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     monkeypatch.setattr(bwd_gluon, "_sm_count", lambda device: 132)
     sq = 1000 if stats_aligned else 1001
@@ -662,7 +666,7 @@ def test_dkdv_direct_plan_passes_what_triton_passes(monkeypatch, stats_aligned):
 def test_direct_plan_of_a_kernel_without_descriptors(monkeypatch):
     """The Triton dot(dO, O) kernel: no descriptors, so Triton calls its C launcher unwrapped
     and so does the plan."""
-    from fmha.kernels import bwd
+    from fmha.kernels.triton import bwd
 
     b, h, s, d = 2, 4, 333, 64
 
@@ -681,7 +685,7 @@ def test_a_launch_hook_takes_tritons_path(monkeypatch):
     which calls the hook's protocol: the C launcher then receives the hooks."""
     from triton import knobs
 
-    from fmha.kernels import fwd_gluon
+    from fmha.kernels.gluon import fwd as fwd_gluon
 
     def tensors():
         return tuple(torch.empty(1, 2, 128, 64, dtype=torch.bfloat16) for _ in range(4)) + (torch.empty(1, 2, 128),)
@@ -733,14 +737,18 @@ def _alike_by_value(a, b) -> bool:
 def _h200_path(monkeypatch):
     """fmha's calls on CPU tensors as on an H200 (sm90, 132 SMs): the dispatcher picks the Gluon
     forward and dK/dV; launches are recorded, not run (_recorded_runs)."""
-    from fmha import api
-    from fmha.kernels import bwd_gluon, fwd_gluon, loader
+    from fmha.kernels.gluon import bwd as bwd_gluon
+    from fmha.kernels.gluon import fwd as fwd_gluon
+    from fmha.kernels.launch import loader
+    from fmha.ops import attention as attention_ops
+    from fmha.ops import prepare
 
     runs = _recorded_runs(monkeypatch)
-    monkeypatch.setattr(api, "_arch_of", lambda device: "sm90")
-    monkeypatch.setattr(api, "family_module",  # (compiled modules: the launchers' plans)
-                        lambda name, interpreted=False: loader.family_module(name, interpreted=False))
-    monkeypatch.setattr(api, "_PREPARED", {})
+    monkeypatch.setattr(prepare, "arch_of", lambda device: "sm90")
+    for module in (prepare, attention_ops):  # (compiled modules: the launchers' plans)
+        monkeypatch.setattr(module, "family_module",
+                            lambda name, interpreted=False: loader.family_module(name, interpreted=False))
+    monkeypatch.setattr(prepare, "PREPARED", {})
     monkeypatch.setattr(fwd_gluon, "_sm_count", lambda device: 132)
     monkeypatch.setattr(bwd_gluon, "_sm_count", lambda device: 132)
     return runs
@@ -753,7 +761,6 @@ def test_api_call_plans_launch_what_the_full_path_launches(monkeypatch, layout):
     the same metadata (the forward's one Gluon launch; the backward's dot(dO, O), Gluon dK/dV and
     dQ convert)."""
     import fmha
-    from fmha import api
 
     runs = _h200_path(monkeypatch)
 
@@ -767,9 +774,9 @@ def test_api_call_plans_launch_what_the_full_path_launches(monkeypatch, layout):
     backward(inputs())
     second = inputs()
     planned = forward(second), backward(second)
-    (forward_plan,) = api._FORWARD_PLANS.values()
+    (forward_plan,) = call_plans.FORWARD_PLANS.values()
     assert len(forward_plan.backward_plans) == 1  # (the graph: _PlannedAttention, the plan's backward)
-    api.clear_plans()
+    plan_tables.clear_plans()
     _assert_alike_launches(planned, (forward(second), backward(second)))
 
 
@@ -779,7 +786,6 @@ def test_fp8_call_plans_launch_what_the_full_path_launches(monkeypatch, layout):
     the api's fp8 plan and the Gluon launcher's plan, and launches what the full path launches
     for those inputs (V^T compared by value), with the call's own descales."""
     import fmha
-    from fmha import api
 
     runs = _h200_path(monkeypatch)
 
@@ -798,9 +804,9 @@ def test_fp8_call_plans_launch_what_the_full_path_launches(monkeypatch, layout):
     forward(inputs())
     second = inputs()
     planned = forward(second)
-    (plan,) = api._FORWARD_PLANS.values()
-    assert type(plan).__name__ == "_Fp8ForwardPlan" and plan.launched is not None
-    api.clear_plans()
+    (plan,) = call_plans.FORWARD_PLANS.values()
+    assert type(plan).__name__ == "Fp8ForwardPlan" and plan.launched is not None
+    plan_tables.clear_plans()
     full = forward(second)
     assert len(planned) == len(full) == 1 and planned[0][0] == full[0][0]
     assert all(_alike_by_value(a, b) for a, b in zip(planned[0][1], full[0][1], strict=True))
@@ -841,8 +847,8 @@ def test_varlen_call_plans_launch_what_the_full_path_launches(monkeypatch, windo
     the full path launches for inputs of the same metadata; the plans are keyed by metadata, so
     other lengths of the same metadata are launched alike too (the kernel reads the prefix sums)."""
     import fmha
-    from fmha import api
-    from fmha.kernels import bwd_gluon, fwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
+    from fmha.kernels.gluon import fwd as fwd_gluon
 
     runs = _h200_path(monkeypatch)
     lens = [300, 0, 77, 647]
@@ -859,10 +865,10 @@ def test_varlen_call_plans_launch_what_the_full_path_launches(monkeypatch, windo
     backward(inputs())
     second = inputs()
     planned = forward(second), backward(second)
-    assert len(api._FORWARD_PLANS) == 1 and len(fwd_gluon._PLANS) == 1 and len(bwd_gluon._PLANS) == 1
-    (forward_plan,) = api._FORWARD_PLANS.values()
+    assert len(call_plans.FORWARD_PLANS) == 1 and len(fwd_gluon._PLANS) == 1 and len(bwd_gluon._PLANS) == 1
+    (forward_plan,) = call_plans.FORWARD_PLANS.values()
     assert len(forward_plan.backward_plans) == 1  # (the backward's three launches planned too)
-    api.clear_plans()
+    plan_tables.clear_plans()
     _assert_alike_launches(planned, (forward(second), backward(second)))
     assert any(a is second[3] for a in planned[0][0][1])  # (the call's own prefix sums, not the first call's)
 
@@ -874,7 +880,6 @@ def test_plans_keep_no_tensor_of_the_call_that_made_them(monkeypatch):
     import weakref
 
     import fmha
-    from fmha import api
 
     runs = _h200_path(monkeypatch)
     ts = [torch.randn(2, 8, 256, 64).to(torch.bfloat16).requires_grad_() for _ in range(3)]
@@ -882,7 +887,7 @@ def test_plans_keep_no_tensor_of_the_call_that_made_them(monkeypatch):
     torch.autograd.grad(o, ts, torch.randn_like(o))
     o2 = fmha.attention(*ts, causal=True)  # (a planned call and its backward)
     torch.autograd.grad(o2, ts, torch.randn_like(o2))
-    assert api._FORWARD_PLANS
+    assert call_plans.FORWARD_PLANS
     refs = [weakref.ref(t) for t in (*ts, o, o2)]
     del ts, o, o2, runs[:]  # (the recorder's own copies of the launches' arguments)
     gc.collect()
@@ -895,7 +900,7 @@ def _decode_h200_path(monkeypatch):
     with their plans; launches are recorded, not run (_recorded_runs). Returns (runs, the count
     of calls that took the full path)."""
     from fmha import kvcache as api_kvcache
-    from fmha.kernels import loader
+    from fmha.kernels.launch import loader
 
     runs = _recorded_runs(monkeypatch)
     monkeypatch.setattr(api_kvcache, "family_module",  # (compiled module: the launchers' plans)
@@ -1141,7 +1146,7 @@ def test_dkdv_leave_by_tma_stores_where_they_can(monkeypatch, case, tma):
     layout) with DKDV_TMA where they have K's and V's dtype and TMA can address them and, for the
     persistent kernel, its staging buffers fit (D=64's m128n128 tile), and as pointers otherwise
     (fp32 dK/dV, an odd base address, the persistent kernel at D=128, or SHAPES' dkdv_tma 0)."""
-    from fmha.kernels import bwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     seen = _recorded_launches(monkeypatch)
     b, h, s, d = 2, 4, 256, 64 if "d64" in case else 128
@@ -1177,7 +1182,7 @@ def test_varlen_dkdv_reads_lse_and_delta_per_thread(monkeypatch):
     """The varlen dK/dV launch never takes LSE/delta by TMA, even where the (Hq, total) tensors are
     TMA-aligned: a copy from a sequence's first query is 16-byte aligned only where that query's
     index is a multiple of 4 (a misaligned one faulted on the H200, 2026-12-01)."""
-    from fmha.kernels import bwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
 
     seen = _recorded_launches(monkeypatch)
     h, d, total = 4, 128, 2048  # total % 4 == 0: the LSE rows are TMA-aligned

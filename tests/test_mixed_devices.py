@@ -15,7 +15,7 @@ def test_compiling_for_sm90_still_works_after_an_interpreted_run(tmp_path, monke
     # Compile for real (no cache hit). Through the environment: setting the knob in code
     # would pin it for later tests in this process.
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    from fmha.kernels import fwd
+    from fmha.kernels.triton import fwd
 
     q = torch.randn(1, 2, 20, 16, requires_grad=True)
     fmha.attention(q, q, q, causal=True).sum().backward()  # interpreted runs patch triton.language

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from fmha import numerics, reference
+from fmha import reference
+from fmha.testing import numerics
 
 from attn_testing import randn
 

@@ -1,11 +1,12 @@
-"""`fmha numerics` (fmha.numerics_study): the fp16/bf16 study, on tiny CPU problems."""
+"""`fmha numerics` (fmha.testing.numerics_study): the fp16/bf16 study, on tiny CPU problems."""
 
 import json
 
 import numpy as np
 import pytest
 
-from fmha import cli, numerics_study, reference
+from fmha import cli, reference
+from fmha.testing import numerics_study
 
 TINY = dict(batch=1, nhead_q=4, nhead_k=2, seqlen_q=24, seqlen_k=40, hdim_q=32, causal=True, device="cpu")
 TINY_FLAGS = ["--device", "cpu", "-b", "1", "--nhead-q", "2", "--seqlen-q", "16", "--seqlen-k", "24",

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import fmha
-from fmha import numerics, reference
+from fmha import reference
 from fmha.numpy_api import NumpyResult, attention, to_numpy, to_torch
+from fmha.testing import numerics
 
 NP_DTYPES = {np.float16: torch.float16, np.float32: torch.float32, ml_dtypes.bfloat16: torch.bfloat16}
 FAST = dict(device="cpu", warmup=0, repeat=1)

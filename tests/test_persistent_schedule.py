@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fmha.kernels import bwd_gluon, fwd_gluon, launch_cache
-from fmha.kernels.persistent_schedule import (
+from fmha.kernels.gluon import bwd as bwd_gluon
+from fmha.kernels.gluon import fwd as fwd_gluon
+from fmha.kernels.gluon.persistent_schedule import (
     HEADS,
     OVERHEAD,
     PAIRS,
@@ -19,6 +20,7 @@ from fmha.kernels.persistent_schedule import (
     heads_makespan,
     pairs_makespan,
 )
+from fmha.kernels.launch import cache as launch_cache
 
 
 def _sim():

@@ -1,4 +1,4 @@
-"""`fmha kernels build` (fmha.precompile): real sm90 compiles on a machine without a GPU.
+"""`fmha kernels build` (fmha.dispatch.precompile): real sm90 compiles on a machine without a GPU.
 
 Triton ships ptxas, so these compile for GPUTarget("cuda", 90, 32) on the CPU. Each test
 gets an empty Triton cache and its own build record, so the kernels really compile; the
@@ -13,17 +13,8 @@ import torch
 import triton
 
 import fmha
-from fmha import (
-    Algorithm,
-    DType,
-    Family,
-    KernelConfig,
-    Registry,
-    Signature,
-    cli,
-    default_registry,
-    precompile,
-)
+from fmha import Algorithm, DType, Family, KernelConfig, Registry, Signature, cli, default_registry
+from fmha.dispatch import precompile
 
 
 @pytest.fixture
@@ -168,7 +159,7 @@ def test_gluon_fp8_forward_tiles_build_for_sm90_and_seqlen_q_is_not_specialized(
     forward kernel does not specialize seqlen_q: with seqlen_q == 1 folded in, Triton 3.6's ptxas
     dies with SIGSEGV on these kernels (a decode row of test_gpu_fp8.py found it;
     docs/performance.md attempt 83)."""
-    from fmha.kernels import fwd_gluon
+    from fmha.kernels.gluon import fwd as fwd_gluon
 
     assert [p.name for p in fwd_gluon.fwd_ws_kernel.params if p.do_not_specialize] == ["seqlen_q"]
     registry = Registry([c for c in default_registry() if c.algorithm.pipeline.is_gluon and c.family == Family.FWD
@@ -197,7 +188,7 @@ def test_the_split_kv_combine_builds_every_tile_its_launcher_picks(tmp_path, tri
     """The combine's launcher picks its tile from the partial count (kvcache.combine_tile) and, on
     sm90, waits for the split kernel (programmatic dependent launch): the build compiles those
     kernels, one per partial count it rounds to, not the config's block_m alone."""
-    from fmha.kernels import kvcache
+    from fmha.kernels.triton import kvcache
 
     config = next(c for c in default_registry().filter(arch="sm90", dtype=DType.BF16)
                   if c.family == Family.SPLITKV_COMBINE)

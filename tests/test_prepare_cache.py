@@ -1,4 +1,4 @@
-"""The dense-call cache of validated Problems (api._prepare): hits only on identical
+"""The dense-call cache of validated Problems (prepare.prepare_call): hits only on identical
 metadata and scalars, never caches a refusal, and never serves varlen calls."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Sweeps and stress (fmha.sweeps, `fmha sweep`, `fmha stress`) on the CPU interpreter, small sizes."""
+"""Sweeps and stress (fmha.testing.sweeps, `fmha sweep`, `fmha stress`) on the CPU interpreter, small sizes."""
 
 import csv
 import json
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import fmha
-from fmha import cli, sweeps
+from fmha import cli
 from fmha.problem import Feature
+from fmha.testing import sweeps
 
 TINY = ["--device", "cpu", "-b", "1", "--nhead-q", "2", "--nhead-k", "1", "--hdim-q", "16", "--seqlen-q", "16"]
 
@@ -136,4 +137,4 @@ def test_stress_with_random_tiles_runs_other_configs_correctly():
     assert all(r["ok"] and r["kernel"] not in stock and "_cpu_triton_m" in r["kernel"] for r in rows), rows
     plain = sweeps.stress(1, 2, "cpu")
     assert plain[0]["problem"] == rows[0]["problem"] and plain[0]["kernel"] in stock  # same problems
-    assert fmha.get_dispatcher() is fmha.dispatcher.default_dispatcher()  # restored
+    assert fmha.get_dispatcher() is fmha.dispatch.dispatcher.default_dispatcher()  # restored

@@ -1,4 +1,4 @@
-"""The tuning database (fmha.tuning) and the dispatcher following it (CPU; timings are injected)."""
+"""The tuning database (fmha.dispatch.tuning) and the dispatcher following it (CPU; timings are injected)."""
 
 import json
 import multiprocessing
@@ -10,10 +10,12 @@ import pytest
 import torch
 
 import fmha
-from fmha import Dispatcher, Family, Problem, Registry, cli, reference, tuning
-from fmha.configs import autofill
+from fmha import Dispatcher, Family, Problem, Registry, cli, reference
+from fmha.bench import tuner
+from fmha.dispatch import tuning
+from fmha.dispatch.autofill import autofill
+from fmha.dispatch.tuning import TuningDB, TuningDBWarning, TuningKey
 from fmha.problem import DType
-from fmha.tuning import TuningDB, TuningDBWarning, TuningKey
 
 STOCK = fmha.default_registry()
 CPU_FWD = next(c for c in STOCK if c.family == Family.FWD and c.signature.archs == ("cpu",))
@@ -176,7 +178,7 @@ def test_an_entry_whose_config_does_not_serve_the_problem_is_ignored(tmp_path):
 def test_dispatcher_follows_the_tuned_choice_and_explain_says_tuned(tmp_path):
     db = TuningDB(tmp_path / "tuning.json")
     tuned_problem, other_problem = problem(seqlen=40, causal=True), problem(seqlen=300)
-    results = tuning.tune([tuned_problem], [Family.FWD], registry=REGISTRY, db=db,
+    results = tuner.tune([tuned_problem], [Family.FWD], registry=REGISTRY, db=db,
                           timer=fake_timer(OTHER_FWD.name))
     assert [r.chosen for r in results] == [OTHER_FWD.name]
     assert set(results[0].timings_ms) == {CPU_FWD.name, OTHER_FWD.name}
@@ -195,7 +197,7 @@ def test_fmha_attention_runs_the_tuned_config_correctly(tmp_path):
     gen = torch.Generator().manual_seed(20261130)
     q, k, v = (torch.randn(1, 2, n, 32, generator=gen).half() for n in (40, 40, 40))
     prob = fmha.problem_of(q, k, v, causal=True)
-    tuning.tune([prob], [Family.FWD], registry=REGISTRY, db=db, timer=fake_timer(OTHER_FWD.name))
+    tuner.tune([prob], [Family.FWD], registry=REGISTRY, db=db, timer=fake_timer(OTHER_FWD.name))
     with fmha.api.use_dispatcher(Dispatcher(REGISTRY, tuning=db)):
         assert f"{OTHER_FWD.name}  (tuned:" in fmha.explain(q, k, v, causal=True)
         out = fmha.attention(q, k, v, causal=True)
@@ -211,11 +213,11 @@ def test_tune_keeps_going_past_a_failing_candidate(tmp_path):
             raise RuntimeError("out of resources: shared memory")
         return 2.5
 
-    (result,) = tuning.tune([problem()], [Family.FWD], registry=REGISTRY, db=db, timer=timer)
+    (result,) = tuner.tune([problem()], [Family.FWD], registry=REGISTRY, db=db, timer=timer)
     assert result.chosen == CPU_FWD.name and result.timings_ms[OTHER_FWD.name] is None
     assert "out of resources" in result.errors[OTHER_FWD.name]
     with pytest.raises(ValueError, match="cannot be tuned; accepted"):
-        tuning.tune([problem()], [Family.APPEND_KV], registry=REGISTRY, db=db, timer=timer)
+        tuner.tune([problem()], [Family.APPEND_KV], registry=REGISTRY, db=db, timer=timer)
 
 
 def run(capsys, *argv):
@@ -252,7 +254,7 @@ def test_cli_tune_prints_the_table_and_errors_and_writes_json(capsys, tmp_path, 
             return 0.5
         return timer
 
-    monkeypatch.setattr(tuning, "gpu_timer", gpu_timer)
+    monkeypatch.setattr(tuner, "gpu_timer", gpu_timer)
     out_json, db = tmp_path / "tune.json", tmp_path / "db.json"
     code, out, err = run(capsys, "tune", "--shapes", "2x8x1024x128", "--family", "fwd", "--db", str(db),
                          "--json", str(out_json), "--no-progress")
@@ -268,7 +270,7 @@ def test_cli_tune_prints_the_table_and_errors_and_writes_json(capsys, tmp_path, 
     assert "fmha tune on FakeGPU: DB " in out and "0.5 " in out
     assert f"{failed} failed on B=2 Hq=8 Hk=8 Sq=1024" in out and f"wrote {out_json}" in out
     assert json.loads(db.read_text())["entries"]
-    monkeypatch.setattr(tuning, "gpu_timer", lambda w, r: gpu_timer(w, r, fail=lambda name: True))
+    monkeypatch.setattr(tuner, "gpu_timer", lambda w, r: gpu_timer(w, r, fail=lambda name: True))
     code, out, err = run(capsys, "tune", "--shapes", "2x8x1024x128", "--family", "fwd", "--db",
                          str(tmp_path / "db2.json"), "--no-progress")
     assert code == 1, err
@@ -280,7 +282,7 @@ def test_the_runner_that_tune_times_forces_the_candidate(family):
     prob = problem(seqlen=20, head_dim=16, causal=True).with_(dtype=DType.FP32, nhead_q=4, nhead_k=2, alibi=True)
     config = OTHER_FWD if family == Family.FWD else next(
         c for c in STOCK if c.family == family and c.signature.archs == ("cpu",))
-    fn, dispatcher = tuning.runner(config, prob, "cpu")
+    fn, dispatcher = tuner.runner(config, prob, "cpu")
     assert [c.name for c in dispatcher.registry if c.family == family] == [config.name]
     assert dispatcher.tuning is None
     with fmha.api.use_dispatcher(dispatcher):
@@ -293,12 +295,12 @@ def test_the_runner_that_tune_times_forces_the_candidate(family):
 
 def test_the_runner_refuses_a_problem_it_cannot_build():
     with pytest.raises(ValueError, match="give another problem.*'layout': \\('bshd', 'bhsd'\\)"):
-        tuning.runner(OTHER_FWD, problem().with_(layout="bshd"), "cpu")
+        tuner.runner(OTHER_FWD, problem().with_(layout="bshd"), "cpu")
 
 
 def test_the_default_dispatcher_reads_the_db_in_fmha_cache_dir(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("FMHA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(fmha.dispatcher, "_default", None)  # built afresh, reading the new dir
+    monkeypatch.setattr(fmha.dispatch.dispatcher, "_default", None)  # built afresh, reading the new dir
     argv = ["kernels", "explain", "--arch", "cpu", "-b", "1", "--nhead-q", "2", "--seqlen-q", "100",
             "--hdim-q", "64", "--causal"]
     code, out, _ = run(capsys, *argv)

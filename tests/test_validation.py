@@ -16,8 +16,10 @@ import torch
 
 import fmha
 import fmha.api
-import fmha.kernels.loader
-from fmha.configs import Family
+import fmha.kernels.launch.loader
+from fmha.dispatch.configs import Family
+from fmha.ops import attention as attention_ops
+from fmha.ops import prepare
 
 from attn_testing import check_attention, randn
 
@@ -37,8 +39,9 @@ def no_kernel_launch(request, monkeypatch):
     def forbidden(name, **kwargs):
         raise AssertionError(f"kernel family {name!r} was loaded before validation rejected the input")
 
-    monkeypatch.setattr(fmha.kernels.loader, "family_module", forbidden)
-    monkeypatch.setattr(fmha.api, "family_module", forbidden)
+    monkeypatch.setattr(fmha.kernels.launch.loader, "family_module", forbidden)
+    for module in (prepare, attention_ops):
+        monkeypatch.setattr(module, "family_module", forbidden)
 
 
 def rejected(call, exc_type, *fragments):

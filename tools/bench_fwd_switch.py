@@ -2,7 +2,7 @@
 attempts 83-84, and FP8_Q_REGS, attempt 98; on experiment branches S_AHEAD of exp/fwd-s-ahead, 79-81,
 DEFERRED_EPILOGUE of exp/fwd-deferred-epilogue, 78), at each of its values, side by side with SDPA cuDNN
 (16-bit rows) or fmha's bf16 forward (fp8 rows: D=64, 128 and 256, full and causal).
-Contenders alternate in rotated order each round (`fmha.bench`'s protocol); each fmha time is
+Contenders alternate in rotated order each round (`fmha.bench.suite`'s protocol); each fmha time is
 `do_bench`'s median of one forward call (launch plans cleared on each switch). Also the largest
 difference of each value's fmha output (and LSE) from the first value's, every row.
 
@@ -22,9 +22,10 @@ import torch
 from triton.testing import do_bench
 
 import fmha
-from fmha import bench
-from fmha.bench import Shape
-from fmha.kernels import fwd_gluon, plan_tables
+from fmha.bench import suite as bench
+from fmha.bench.suite import Shape
+from fmha.kernels.gluon import fwd as fwd_gluon
+from fmha.kernels.launch import plan_tables
 
 D64 = [Shape(16, 16, 16, 1024, 64, "bf16", c) for c in (False, True)] + \
       [Shape(4, 16, 16, 4096, 64, "bf16", c) for c in (False, True)] + \

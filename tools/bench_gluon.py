@@ -36,7 +36,8 @@ import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fmha.kernels import fwd, fwd_gluon
+from fmha.kernels.gluon import fwd as fwd_gluon
+from fmha.kernels.triton import fwd
 
 # (block_n, stages, pingpong[, block_m]) per head dim; the first is the registry's choice (D=64: of the
 # one-tile kernel; the persistent one has 2 stages, attempt 61).

@@ -34,9 +34,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
 from fmha import Registry, default_registry
-from fmha.configs import Family, Pipeline
-from fmha.dispatcher import Dispatcher
-from fmha.kernels import bwd_gluon, gluon_common
+from fmha.dispatch.configs import Family, Pipeline
+from fmha.dispatch.dispatcher import Dispatcher
+from fmha.kernels.gluon import bwd as bwd_gluon
+from fmha.kernels.gluon import common as gluon_common
 
 # "fmha_ldg_stats": the Gluon dK/dV with LSE/delta read by per-thread loads instead of TMA
 # (its fallback for unaligned LSE), to measure what the TMA path gains in the same run.

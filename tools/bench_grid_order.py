@@ -3,7 +3,7 @@ sequence, KV head, key tile) each program takes), fmha's backward on causal prob
 (the standard suite's causal D=128 rows, and D=256 and a non-causal row as controls) against SDPA
 cuDNN, and varlen (packed causal documents, the features suite's shapes and more) against
 FlexAttention; the forward of the varlen shapes too (the order does not touch it: a control).
-Contenders alternate in rotated order each round (`fmha.bench`'s protocol, its shapes and calls).
+Contenders alternate in rotated order each round (`fmha.bench.suite`'s protocol, its shapes and calls).
 Then a check that neither varlen call synchronizes with the host (torch's sync debug mode set to
 error) and a profile of one varlen backward call's kernels.
 
@@ -20,9 +20,10 @@ import sys
 
 import torch
 
-from fmha import bench
-from fmha.bench import Shape
-from fmha.kernels import bwd_gluon, plan_tables
+from fmha.bench import suite as bench
+from fmha.bench.suite import Shape
+from fmha.kernels.gluon import bwd as bwd_gluon
+from fmha.kernels.launch import plan_tables
 
 DENSE = [Shape(16, 16, 16, 1024, 128, "bf16", True), Shape(4, 16, 16, 4096, 128, "bf16", True),
          Shape(2, 16, 16, 8192, 128, "bf16", True), Shape(1, 16, 16, 16384, 128, "bf16", True),
@@ -48,7 +49,7 @@ def inputs(shape: Shape):
 def run(shape: Shape, mode: str, orders: list[str], rounds: int) -> dict:
     from torch import _dynamo
 
-    _dynamo.reset()  # (FlexAttention: one compile per shape, as fmha.bench does)
+    _dynamo.reset()  # (FlexAttention: one compile per shape, as fmha.bench.suite does)
     q, k, v, dout = inputs(shape)
     other = "flex" if shape.docs else "cudnn"
     fmha_runner = bench._setup("fmha", shape, mode, q, k, v, dout)

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from fmha import bench
+from fmha.bench import suite as bench
 
 
 def main() -> int:

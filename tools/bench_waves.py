@@ -11,8 +11,8 @@ import statistics
 
 import torch
 
-from fmha import bench
-from fmha.bench import Shape
+from fmha.bench import suite as bench
+from fmha.bench.suite import Shape
 
 for d in (128, 64):
     for h in (31, 32, 33):

@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 import fmha
-from fmha.bench import host_ms_per_call
+from fmha.bench.suite import host_ms_per_call
 
 
 def backward_call(name, q, k, v, do, causal):
@@ -46,7 +46,7 @@ def kernels_per_call(fn, iters):
 
 
 def host_us(fn, iters):
-    """CPU time to enqueue one call (fmha.bench.host_ms_per_call), after a warm call."""
+    """CPU time to enqueue one call (fmha.bench.suite.host_ms_per_call), after a warm call."""
     fn()
     return host_ms_per_call(fn, iters) * 1e3
 

@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fmha.kernels import bwd, dropout, fwd, kvcache
+from fmha.kernels.triton import bwd, dropout, fwd, kvcache
 
 TARGET = GPUTarget("cuda", 90, 32)
 

@@ -19,7 +19,7 @@ import triton
 from compile_check import TARGET, signature
 from triton.compiler import ASTSource
 
-from fmha.kernels import kvcache
+from fmha.kernels.triton import kvcache
 
 SMEM_LIMIT = 232448
 FEATURES = ("ALIGN_BOTTOM_RIGHT", "HAS_LEFT", "HAS_RIGHT", "HAS_SINK_TOKENS", "HAS_SOFTCAP", "HAS_ALIBI",

@@ -33,8 +33,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
-from fmha.configs import CUDA_ARCHS, KVCACHE_FEATURES, Algorithm, Family, KernelConfig, Signature
-from fmha.kernels import kvcache as kvcache_kernels
+from fmha.dispatch.configs import CUDA_ARCHS, KVCACHE_FEATURES, Algorithm, Family, KernelConfig, Signature
+from fmha.kernels.triton import kvcache as kvcache_kernels
 from fmha.problem import DType, Problem
 
 DEVICE = "cuda"

@@ -21,8 +21,8 @@ import triton
 
 import fmha
 from fmha.api import use_dispatcher
-from fmha.configs import Family
-from fmha.kernels import plan_tables
+from fmha.dispatch.configs import Family
+from fmha.kernels.launch import plan_tables
 
 B, Hq, Hk, D, S = 32, 32, 8, 128, 8192
 

@@ -19,9 +19,9 @@ import triton
 
 import fmha
 from fmha.api import use_dispatcher
-from fmha.bench_decode import DecodeShape, _call, _inputs
-from fmha.configs import Family
-from fmha.kernels import plan_tables
+from fmha.bench.decode import DecodeShape, _call, _inputs
+from fmha.dispatch.configs import Family
+from fmha.kernels.launch import plan_tables
 
 
 def main() -> int:

@@ -32,9 +32,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fmha
-from fmha.bench_decode import DecodeShape, _call, _inputs
-from fmha.configs import CUDA_ARCHS, KVCACHE_FEATURES, Algorithm, Family, KernelConfig, Signature
-from fmha.kernels import kvcache as kvcache_kernels
+from fmha.bench.decode import DecodeShape, _call, _inputs
+from fmha.dispatch.configs import CUDA_ARCHS, KVCACHE_FEATURES, Algorithm, Family, KernelConfig, Signature
+from fmha.kernels.triton import kvcache as kvcache_kernels
 from fmha.kvcache import attention_with_kvcache
 from fmha.problem import DType
 

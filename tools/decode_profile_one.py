@@ -18,7 +18,7 @@ import argparse
 import torch
 from decode_kernel_times import l2_fill  # (tools/ is this script's directory)
 
-from fmha.bench_decode import DecodeShape, _call, _inputs
+from fmha.bench.decode import DecodeShape, _call, _inputs
 
 
 def main() -> None:

@@ -25,8 +25,8 @@ import triton
 
 import fmha
 from fmha.api import use_dispatcher
-from fmha.bench_decode import DecodeShape, _call, _inputs
-from fmha.kernels import plan_tables
+from fmha.bench.decode import DecodeShape, _call, _inputs
+from fmha.kernels.launch import plan_tables
 
 FIELDS = {"n": "block_n", "s": "num_stages", "w": "num_warps", "p": "programs_per_sm"}
 

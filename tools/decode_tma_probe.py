@@ -29,7 +29,7 @@ import triton.language as tl
 from decode_kernel_times import dispatcher_for, kernel_count, l2_fill, profiled  # (tools/: the script's directory)
 
 import fmha
-from fmha.bench_decode import DecodeShape, _call, _inputs
+from fmha.bench.decode import DecodeShape, _call, _inputs
 from fmha.kvcache import attention_with_kvcache
 
 LOG2E = 1.4426950408889634

@@ -5,9 +5,9 @@ import torch
 import triton
 
 import fmha
-from fmha.configs import CUDA_ARCHS, Algorithm, Family, KernelConfig, Signature
+from fmha.dispatch.configs import CUDA_ARCHS, Algorithm, Family, KernelConfig, Signature
+from fmha.dispatch.registry import Registry, default_registry
 from fmha.problem import DType
-from fmha.registry import Registry, default_registry
 
 HALF = (DType.FP16, DType.BF16)
 

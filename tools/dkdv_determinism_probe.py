@@ -26,7 +26,7 @@ import sys
 import torch
 
 import fmha
-from fmha.kernels import bwd
+from fmha.kernels.triton import bwd
 
 TILES = [(32, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 1), (32, 128, 8, 2), (64, 128, 8, 2)]
 

@@ -6,7 +6,7 @@ compiles once per shape, so the whole 60-shape suite with it takes long). Shards
 
 import sys
 
-from fmha import bench
+from fmha.bench import suite as bench
 
 
 def main() -> None:

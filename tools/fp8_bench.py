@@ -34,10 +34,11 @@ import triton
 
 import fmha
 from fmha.api import use_dispatcher
-from fmha.configs import Algorithm, Family, KernelConfig, Pipeline, Signature
-from fmha.kernels import kvcache, plan_tables
+from fmha.dispatch.configs import Algorithm, Family, KernelConfig, Pipeline, Signature
+from fmha.dispatch.registry import _gluon_config
+from fmha.kernels.launch import plan_tables
+from fmha.kernels.triton import kvcache
 from fmha.problem import DType
-from fmha.registry import _gluon_config
 
 FP8 = (DType.FP8_E4M3, DType.FP8_E5M2)
 PP, WS = Pipeline.GLUON_WS_PINGPONG, Pipeline.GLUON_WS

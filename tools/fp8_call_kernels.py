@@ -16,7 +16,7 @@ from fp8_bench import issue_inputs  # (tools/: the script's directory)
 from torch.profiler import ProfilerActivity, profile
 
 import fmha
-from fmha.kernels import fwd_gluon
+from fmha.kernels.gluon import fwd as fwd_gluon
 
 
 def main() -> int:

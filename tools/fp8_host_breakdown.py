@@ -26,7 +26,7 @@ import torch
 import fmha
 from fmha import api
 from fmha import fp8 as fp8_module
-from fmha.bench import host_ms_per_call
+from fmha.bench.suite import host_ms_per_call
 
 TIMES: dict[str, list[int]] = defaultdict(list)
 
@@ -46,9 +46,9 @@ def wrap(module, name: str, label: str) -> None:
 
 
 def install_wrappers() -> None:
-    """The steps of `api._fwd_fp8_op` and of the Gluon launcher below it (the modules the call
+    """The steps of `attention_ops.fwd_fp8_op` and of the Gluon launcher below it (the modules the call
     really goes through: `api.family_module` gives the launcher's module)."""
-    fwd = api.family_module("fwd_gluon", interpreted=False)
+    fwd = api.family_module("gluon.fwd", interpreted=False)
     for module, name in ((api, "_prepare_op"), (fp8_module, "check_descales"), (api, "_plan_forward"),
                          (api, "_alloc_like"), (api, "_kernel_args"), (api, "_launch_forward"),
                          (fwd, "launch"), (fwd, "_transposed"), (fwd.fp8_vt, "launch_vt"),

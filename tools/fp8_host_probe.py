@@ -18,7 +18,7 @@ import triton
 from fp8_bench import B, H, S, issue_inputs  # (tools/: the script's directory)
 
 import fmha
-from fmha.bench import host_ms_per_call
+from fmha.bench.suite import host_ms_per_call
 
 
 def main() -> int:

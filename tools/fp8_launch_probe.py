@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import fmha
-from fmha.kernels import fwd_gluon
+from fmha.kernels.gluon import fwd as fwd_gluon
 
 
 def main() -> int:

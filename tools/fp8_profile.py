@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 import fmha
-from fmha.configs import Family, Pipeline
+from fmha.dispatch.configs import Family, Pipeline
+from fmha.dispatch.registry import _gluon_config
 from fmha.problem import DType
-from fmha.registry import _gluon_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fp8_bench import FP8_TILE  # noqa: E402  (the registry's Gluon fp8 tiles)

@@ -49,7 +49,7 @@ from gluon_sass_report import (  # noqa: E402
     table_header,
 )
 
-from fmha.kernels import fwd_gluon as _working  # noqa: E402
+from fmha.kernels.gluon import fwd as _working  # noqa: E402
 
 fwd_gluon = _working
 # (dtype, head_dim, block_m, block_n, stages, pingpong): the registry's Gluon forward tiles (of the

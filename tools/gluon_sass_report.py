@@ -58,7 +58,7 @@ from triton.backends.nvidia.compiler import CUDABackend
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import create_function_from_signature
 
-from fmha.kernels import bwd_gluon as _committed_or_working
+from fmha.kernels.gluon import bwd as _committed_or_working
 
 bwd_gluon = _committed_or_working
 TARGET = GPUTarget("cuda", 90, 32)

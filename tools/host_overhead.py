@@ -33,9 +33,13 @@ import torch
 
 import fmha
 from fmha import api, kvcache
-from fmha.kernels import bwd_gluon, fwd_gluon, launch_cache, loader, plan_tables
+from fmha.kernels.gluon import bwd as bwd_gluon
+from fmha.kernels.gluon import fwd as fwd_gluon
+from fmha.kernels.launch import cache as launch_cache
+from fmha.kernels.launch import loader, plan_tables
+from fmha.ops import prepare
 
-_REAL_LAUNCHERS = (api._launch_forward, api._launch_dkdv)
+_REAL_LAUNCHERS = (prepare.launch_forward, prepare.launch_dkdv)
 
 
 def per_call_us(fn, calls: int, repeats: int = 5) -> float:
@@ -53,12 +57,12 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
 
 def stub_dense_launches_cpu() -> None:
     """CPU tensors' own path, every launcher a no-op."""
-    api._launch_forward = lambda *a, **k: None  # time the host path only
-    api._launch_dkdv = lambda *a, **k: None
+    prepare.launch_forward = lambda *a, **k: None  # time the host path only
+    prepare.launch_dkdv = lambda *a, **k: None
     no_launch = types.SimpleNamespace(**{name: (lambda *a, **k: None) for name in (
         "launch_dot_do_o", "launch_delta", "launch_dkdv", "launch_dq", "launch_convert_dq")})
     api.family_module = lambda name, interpreted=False: no_launch
-    api._PREPARED.clear()  # (cached Problems carry the arch, and so do the call plans)
+    prepare.PREPARED.clear()  # (cached Problems carry the arch, and so do the call plans)
     plan_tables.clear_plans()
 
 
@@ -76,15 +80,15 @@ class _AlwaysHit(dict):
 def stub_dense_launches_h200() -> None:
     """CUDA tensors' path on an H200 (sm90, 132 SMs): the real launchers (compiled modules)
     up to the launch, which `launch_cache` turns into a no-op."""
-    api._launch_forward, api._launch_dkdv = _REAL_LAUNCHERS
-    api._arch_of = lambda device: "sm90"
+    prepare.launch_forward, prepare.launch_dkdv = _REAL_LAUNCHERS
+    prepare.arch_of = lambda device: "sm90"
     api.family_module = lambda name, interpreted=False: loader.family_module(name, interpreted=False)
     launch_cache._CACHE = _AlwaysHit()
     launch_cache.driver = types.SimpleNamespace(active=types.SimpleNamespace(
         get_current_device=lambda: 0, get_current_stream=lambda device: 0))
     torch.cuda.current_device = lambda: 0  # (CUDA tensors name their device; CPU ones do not)
     fwd_gluon._sm_count = bwd_gluon._sm_count = lambda device: 132
-    api._PREPARED.clear()
+    prepare.PREPARED.clear()
     plan_tables.clear_plans()
 
 

@@ -1,6 +1,6 @@
 """cProfile of fmha calls' host path on the GPU machine: `calls` calls back to back (no
 synchronization between them), top functions by own time. The features suite's varlen shape
-(forward and backward through fmha.bench's calls) and its window shape's forward as a dense
+(forward and backward through fmha.bench.suite's calls) and its window shape's forward as a dense
 control.
 
     PYTHONPATH=src python tools/host_profile.py [--calls 20] [--rows 25]
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from fmha import bench
-from fmha.bench import Shape
+from fmha.bench import suite as bench
+from fmha.bench.suite import Shape
 
 SHAPES = {"varlen": Shape(1, 16, 16, 16384, 128, "bf16", True, docs=8),
           "window": Shape(2, 16, 16, 8192, 128, "bf16", True, window=1024)}

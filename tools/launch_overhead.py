@@ -41,7 +41,9 @@ def _no_load(self):  # CompiledKernel._init_handles without a GPU: nothing loade
 
 
 def _dense_cases():
-    from fmha.kernels import bwd, bwd_gluon, fwd_gluon
+    from fmha.kernels.gluon import bwd as bwd_gluon
+    from fmha.kernels.gluon import fwd as fwd_gluon
+    from fmha.kernels.triton import bwd
 
     b, h, s, d = 2, 4, 1024, 128
     q, k, v, o, do = (torch.randn(b, h, s, d).to(torch.bfloat16) for _ in range(5))
@@ -60,7 +62,7 @@ def _dense_cases():
 
 def _decode_cases():
     """The decode bench's 32k shape (B=8 Hq=32 Hk=8 D=128 bf16, pages of 64), 4 splits."""
-    from fmha.kernels import kvcache
+    from fmha.kernels.triton import kvcache
 
     b, hq, hk, s, d, page, splits = 8, 32, 8, 32768, 128, 64, 4
     q = torch.randn(b, 1, hq, d).to(torch.bfloat16)
@@ -84,7 +86,7 @@ def main() -> int:
     driver.set_active(_StandInDriver())
     compiler.CompiledKernel._init_handles = _no_load
     compiler.CompiledKernel.run = property(lambda self: (self._init_handles(), self._run)[1])
-    from fmha.kernels import launch_cache
+    from fmha.kernels.launch import cache as launch_cache
 
     launch_cache.driver = driver
     cases = _decode_cases() if "--decode" in sys.argv else _dense_cases()

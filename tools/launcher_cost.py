@@ -15,7 +15,8 @@ from host_overhead_gpu import _host_us  # (tools/ is on the path when a tool run
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
-from fmha.kernels import fwd_gluon, launch_cache
+from fmha.kernels.gluon import fwd as fwd_gluon
+from fmha.kernels.launch import cache as launch_cache
 
 
 def host_us(fn, calls: int) -> float:

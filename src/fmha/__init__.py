@@ -19,12 +19,12 @@ from .api import (
     problem_of,
     set_dispatcher,
 )
-from .configs import Algorithm, ConfigError, Family, KernelConfig, Pipeline, Signature
-from .dispatcher import Dispatcher, NoKernelError, Plan, SplitPolicy
+from .dispatch.configs import Algorithm, ConfigError, Family, KernelConfig, Pipeline, Signature
+from .dispatch.dispatcher import Dispatcher, NoKernelError, Plan, SplitPolicy
+from .dispatch.registry import Registry, default_registry
 from .fp8 import dequantize_fp8, quantize_fp8
 from .kvcache import attention_with_kvcache, explain_kvcache, merge_states
 from .problem import DType, Feature, MaskAlign, Problem
-from .registry import Registry, default_registry
 from .validation import set_debug
 
 __version__ = "0.1.0"

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import validation as V
-from .api import _block_backward, _block_forward
+from .ops.ring_blocks import block_backward, block_forward
 
 Tensor = torch.Tensor
 
@@ -242,7 +242,7 @@ class _RingAttention(torch.autograd.Function):
                                                        alibi is not None):
                 qb, kb, vb = _seq(q, layout, rows), _seq(kv[0], layout, cols), _seq(kv[1], layout, cols)
                 slopes, bias, shift = _alibi_block(alibi, pos, lse[:, :, rows].shape[-1], _bhsd(kb, layout).shape[2])
-                _block_forward(qb, kb, vb, _seq(o_blk, layout, rows), lse_blk[:, :, rows], window=blk_window,
+                block_forward(qb, kb, vb, _seq(o_blk, layout, rows), lse_blk[:, :, rows], window=blk_window,
                                bias=bias, alibi_slopes=slopes, **kw)
                 if shift is not None:
                     lse_blk[:, :, rows] += shift
@@ -298,7 +298,7 @@ class _RingAttention(torch.autograd.Function):
                 shared = any(span.start < stop and start < span.stop for start, stop in written)
                 if shared:  # the kernel overwrites its block's dk/dv: add through a temporary
                     dk_out, dv_out = torch.empty_like(dk_out), torch.empty_like(dv_out)
-                _block_backward(_seq(q, layout, rows), _seq(kv[0], layout, cols), _seq(kv[1], layout, cols),
+                block_backward(_seq(q, layout, rows), _seq(kv[0], layout, cols), _seq(kv[1], layout, cols),
                                 _seq(do, layout, rows), blk_lse, delta[:, :, rows], _seq(dq_acc, layout, rows),
                                 dk_out, dv_out, window=blk_window, bias=bias, alibi_slopes=slopes, **kw)
                 if shared:

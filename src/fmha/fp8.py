@@ -16,7 +16,7 @@ one of three granularities:
 (amax scaling: each group's largest |x| maps to the format's largest finite value), and
 `dequantize_fp8` undoes it in float32, for references and tests.
 
-Inside the kernel (see fmha.kernels.fwd): the q and k descales fold into the logit scale;
+Inside the kernel (see fmha.kernels.triton.fwd): the q and k descales fold into the logit scale;
 the probabilities P in [0, 1] are multiplied by 256 (exactly: a power of two, done as
 `exp2(s - m + 8)`, FlashAttention 3's offset) and rounded to e4m3 for the P @ V product
 (e4m3 whatever the input format: 3 mantissa bits instead of e5m2's 2; the largest value

@@ -31,13 +31,15 @@ from dataclasses import dataclass
 import torch
 
 from . import validation as V
-from .api import _algorithm_args, _arch_of, _device_guard, _meta, _plain_eager, get_dispatcher
-from .configs import Family
-from .dispatcher import Dispatcher, split_keys
-from .kernels.gluon_common import tma_aligned
-from .kernels.launch_args import unit_descale
-from .kernels.loader import family_module
-from .kernels.plan_tables import keep_plan, plan_table
+from .dispatch.configs import Family
+from .dispatch.dispatcher import Dispatcher, split_keys
+from .dispatch.state import get_dispatcher, on_dispatcher_change
+from .kernels.gluon.common import tma_aligned
+from .kernels.launch.args import unit_descale
+from .kernels.launch.loader import family_module
+from .kernels.launch.plan_tables import keep_plan, plan_table
+from .ops.attention import plain_eager
+from .ops.prepare import algorithm_args, arch_of, device_guard, tensor_meta
 from .problem import MaskAlign, Problem
 
 Tensor = torch.Tensor
@@ -50,7 +52,7 @@ def _sm_count(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=16)
 def _arch(device: torch.device) -> str:
-    return _arch_of(device)
+    return arch_of(device)
 
 
 def _reads_values(device: torch.device) -> bool:
@@ -201,7 +203,7 @@ class _DecodePlan:
     attention: dict  # split-KV kernel: tile, warps, stages, dot precision
     append: dict | None  # append kernel, when new k/v are given
     combine: dict | None  # combine kernel, with splits > 1
-    attention_module: str = "kvcache"  # the split-KV kernel's module: kvcache, or kvcache_gluon (pipeline gluon)
+    attention_module: str = "triton.kvcache"  # the split-KV kernel's module (gluon.kvcache: Gluon pipelines)
 
 
 # Decode steps repeat a few shapes, and the dispatcher's answer for one (registry scans, a
@@ -214,8 +216,9 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PLANS_MAX = 1024  # per dispatcher
 
 
+@on_dispatcher_change
 def clear_plans() -> None:
-    """Forget every cached KV-cache plan and call plan (fmha.set_dispatcher calls this)."""
+    """Forget every cached KV-cache plan and call plan (run when the dispatcher changes)."""
     _PLANS.clear()
     _DECODE_CALL_PLANS.clear()
 
@@ -254,10 +257,10 @@ def _make_decode_plan(dispatcher: Dispatcher, problem: Problem, *, append: bool,
     plan = dispatcher.plan_kvcache(problem, append=append, num_splits=splits)
     return _DecodePlan(
         splits=splits,
-        attention=dict(_algorithm_args(attn_config), dot_precision=algorithm.dot_precision),
-        append=_algorithm_args(plan.config(Family.APPEND_KV)) if append else None,
-        combine=_algorithm_args(plan.config(Family.SPLITKV_COMBINE)) if splits > 1 else None,
-        attention_module="kvcache_gluon" if algorithm.pipeline.is_gluon else "kvcache",
+        attention=dict(algorithm_args(attn_config), dot_precision=algorithm.dot_precision),
+        append=algorithm_args(plan.config(Family.APPEND_KV)) if append else None,
+        combine=algorithm_args(plan.config(Family.SPLITKV_COMBINE)) if splits > 1 else None,
+        attention_module="gluon.kvcache" if algorithm.pipeline.is_gluon else "triton.kvcache",
     )
 
 
@@ -403,10 +406,12 @@ def attention_with_kvcache(
             and type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor
             and _plain_index(cache_seqlens, block_table, kv_indptr, kv_indices, kv_last_page_len)
             and _plain_decode_scalars(num_splits, scale, causal, window, mask_align, sink_size, softcap)
-            and not _reads_values(q.device) and _plain_eager()):
-        key = (_meta(q), _meta(k_cache), _meta(v_cache), _meta(cache_seqlens), _meta(block_table),
-               _meta(kv_indptr), _meta(kv_indices), _meta(kv_last_page_len), _meta(k_descale), _meta(v_descale),
-               _meta(alibi_slopes), _meta(sinks), num_splits, scale, causal, window, mask_align, sink_size, softcap)
+            and not _reads_values(q.device) and plain_eager()):
+        key = (tensor_meta(q), tensor_meta(k_cache), tensor_meta(v_cache), tensor_meta(cache_seqlens),
+               tensor_meta(block_table), tensor_meta(kv_indptr), tensor_meta(kv_indices),
+               tensor_meta(kv_last_page_len), tensor_meta(k_descale), tensor_meta(v_descale),
+               tensor_meta(alibi_slopes), tensor_meta(sinks), num_splits, scale, causal, window, mask_align, sink_size,
+               softcap)
         call_plan = _DECODE_CALL_PLANS.get(key)
         if call_plan is not None:
             indptr_tables = kv_indptr is not None
@@ -428,13 +433,13 @@ def attention_with_kvcache(
     plan = _decode_plan(dispatcher, problem, append=k is not None, num_splits=num_splits,
                         sm_count=_sm_count(q.device))
     splits = plan.splits
-    kernels = family_module("kvcache", interpreted=q.device.type == "cpu")
+    kernels = family_module("triton.kvcache", interpreted=q.device.type == "cpu")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     alibi2 = V.alibi_rows(alibi_slopes)
     pages = dict(block_table=cache.table, kv_indptr=cache.indptr)  # block_table, or kv_indices + kv_indptr
     varlen = dict(cu_seqlens=qs.cu_seqlens_q, max_seqlen=seqlen_q) if qs.varlen else {}
 
-    with _device_guard(q):
+    with device_guard(q):
         if k is not None:
             append = plan.append
             cos_sin = dict(cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved) if rotary else {}
@@ -466,7 +471,7 @@ def attention_with_kvcache(
                     **(dict(k_descale=kd2, v_descale=vd2) if kv_fp8 else {}))
         combined = None
         # (the split-KV kernel: Triton's, or the Gluon fp8 decode where the registry chose it)
-        attention = kernels if plan.attention_module == "kvcache" else family_module(plan.attention_module,
+        attention = kernels if plan.attention_module == "triton.kvcache" else family_module(plan.attention_module,
                                                                                       interpreted=False)
         if splits == 1:
             attended = attention.launch_attention(q, k_cache, v_cache, o, lse, num_splits=1, **attn)
@@ -513,7 +518,7 @@ def explain_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, **kwargs) -> st
     lines = [plan.describe(), f"key splits: {splits} ({how})"]
     if call.problem.kv_fp8:
         module = family_module(decode.attention_module, interpreted=q.device.type == "cpu"
-                               and decode.attention_module == "kvcache")
+                               and decode.attention_module == "triton.kvcache")
         products = module.products_dtype(q.dtype, True)
         lines.append(f"float8 cache: converted to {products} for the products (exact)" + (
             f"; bf16 queries scaled by a power of two into fp16's range per program, P by 2**15"
@@ -524,7 +529,7 @@ def explain_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, **kwargs) -> st
 # ----------------------------------------------------------------------------------------
 # Decode call plans: a plain decode call repeated with inputs of the same metadata.
 
-_REAL = (float, int)
+REAL_TYPES = (float, int)
 
 
 def _plain_index(cache_seqlens, block_table, kv_indptr, kv_indices, kv_last_page_len) -> bool:
@@ -542,7 +547,7 @@ def _plain_decode_scalars(num_splits, scale, causal, window, mask_align, sink_si
     or None scale): equal keys then mean calls validation treats alike."""
     return type(num_splits) is int and (type(scale) is float or scale is None) and type(causal) is bool \
         and type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int \
-        and type(mask_align) is str and type(sink_size) is int and type(softcap) in _REAL
+        and type(mask_align) is str and type(sink_size) is int and type(softcap) in REAL_TYPES
 
 
 def _hashable(value) -> bool:
@@ -569,7 +574,7 @@ class _DecodeCallPlan:
 
     def __init__(self, dispatcher: Dispatcher, dispatch_state: tuple, o_shape, lse_shape, splits: int, attention,
                  combine) -> None:
-        from .kernels.launch_cache import runnable  # (Triton is loaded by now: the launchers ran)
+        from .kernels.launch.cache import runnable  # (Triton is loaded by now: the launchers ran)
 
         self.dispatcher, self.dispatch_state = dispatcher, dispatch_state
         self.o_shape, self.lse_shape, self.splits = tuple(o_shape), tuple(lse_shape), splits
@@ -758,9 +763,9 @@ def merge_states(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor
     lse = torch.empty((1, 1, rows), dtype=torch.float32, device=outs[0].device)
     problem = Problem(batch=1, nhead_q=1, nhead_k=1, seqlen_q=rows, seqlen_k=len(outs),
                       head_dim_qk=shape[-1], head_dim_v=shape[-1], dtype=V.check_dtype("outs[0]", outs[0]),
-                      arch=_arch_of(outs[0].device))
+                      arch=arch_of(outs[0].device))
     config, _ = get_dispatcher().select(problem, Family.SPLITKV_COMBINE)
-    kernels = family_module("kvcache", interpreted=outs[0].device.type == "cpu")
-    with _device_guard(outs[0]):
-        kernels.launch_combine(o_parts, lse_parts, o, lse, nheads=1, seqlen=rows, **_algorithm_args(config))
+    kernels = family_module("triton.kvcache", interpreted=outs[0].device.type == "cpu")
+    with device_guard(outs[0]):
+        kernels.launch_combine(o_parts, lse_parts, o, lse, nheads=1, seqlen=rows, **algorithm_args(config))
     return o.reshape(shape), lse.reshape(shape[:-1])

@@ -21,8 +21,8 @@ import torch
 
 from .api import attention as _attention
 from .api import get_dispatcher, problem_of
-from .bench import time_ms
-from .configs import Family
+from .bench.suite import time_ms
+from .dispatch.configs import Family
 from .problem import Problem
 
 # numpy dtype -> torch dtype, for q, k and v.

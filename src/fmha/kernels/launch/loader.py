@@ -35,7 +35,8 @@ from types import ModuleType
 
 import numpy as np
 
-_PACKAGE_DIR = Path(__file__).parent
+_PACKAGE_DIR = Path(__file__).parent.parent  # fmha/kernels: the package copied for the interpreter
+_KERNELS_PACKAGE = __package__.rsplit(".", 1)[0]
 _INTERPRETED_NAME = "_fmha_interpreted_kernels"
 _lock = threading.Lock()
 _run_lock = threading.RLock()  # one interpreted grid at a time: the interpreter's state is global
@@ -235,10 +236,10 @@ def _interpreted_package() -> str:
 
 class _GuardedModule:
     """A compiled kernel module whose `launch*` functions survive a damaged Triton cache
-    entry (evicted with a warning, compiled again: see fmha.kernel_cache)."""
+    entry (evicted with a warning, compiled again: see fmha.kernels.launch.jit_cache)."""
 
     def __init__(self, module: ModuleType) -> None:
-        from ..kernel_cache import guard_launch
+        from .jit_cache import guard_launch
 
         self._module = module
         self._launchers = {n: guard_launch(f, module) for n, f in vars(module).items()
@@ -258,7 +259,7 @@ def family_module(name: str, *, interpreted: bool) -> ModuleType:
     if not interpreted:
         guarded = _guarded.get(name)
         if guarded is None:
-            guarded = _guarded.setdefault(name, _GuardedModule(importlib.import_module(f"{__package__}.{name}")))
+            guarded = _guarded.setdefault(name, _GuardedModule(importlib.import_module(f"{_KERNELS_PACKAGE}.{name}")))
         return guarded  # type: ignore[return-value]
     import triton
 

@@ -47,9 +47,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import fp8_vt, launch_cache
-from .gluon_common import acc_layout, descriptor, descriptor_type, tma_aligned
-from .launch_args import cdiv, descale_views
+from ..launch import cache as launch_cache
+from ..launch.args import cdiv, descale_views
+from . import fp8_vt
+from .common import acc_layout, descriptor, descriptor_type, tma_aligned
 from .persistent_schedule import causal_tile_order
 
 LOG2E = 1.4426950408889634

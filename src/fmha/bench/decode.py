@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .bench import check_sizes
+from .suite import check_sizes
 
 DECODE_CONTENDERS: tuple[str, ...] = ("fmha", "cudnn", "flash")
 
@@ -101,7 +101,7 @@ def _inputs(shape: DecodeShape, device: str | torch.device) -> tuple[dict, Any]:
 def _call(name: str, fmha_args: dict, sdpa_args: tuple) -> Callable[[], torch.Tensor]:
     """A call of contender `name`, returning (B, 1, Hq, D)."""
     if name == "fmha":
-        from .kvcache import attention_with_kvcache
+        from ..kvcache import attention_with_kvcache
 
         return lambda: attention_with_kvcache(**fmha_args)
     if name in ("cudnn", "flash"):

@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, dropout_keep, key_range, modify_logits, seq_bounds, visible
-from .launch_args import (
+from ..launch.args import (
     alibi_strides,
     bias_strides,
     cdiv,
@@ -34,6 +33,7 @@ from .launch_args import (
     row_strides,
     seq_strides,
 )
+from .common import LN2, LOG2E, dropout_keep, key_range, modify_logits, seq_bounds, visible
 
 
 @triton.jit

@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import launch_cache
+from ..launch import cache as launch_cache
+from ..launch.args import alibi_strides, cdiv, padded_dim, unit_descale
 from .common import LN2, LOG2E, key_range, modify_logits, visible
-from .launch_args import alibi_strides, cdiv, padded_dim, unit_descale
 
 
 @triton.jit
@@ -692,7 +692,7 @@ def combine_tile(n_parts: int, block_m: int) -> tuple[int, int]:
 def combine_variants(block_m: int, capability: int) -> list[tuple[str, dict]]:
     """The combine kernels `launch_combine` compiles for a config's block_m on a GPU of compute
     capability `capability` (major): one tile per partial count it rounds to (1, 2, 4, ...,
-    COMBINE_PARTS), as (variant name, constexprs) for an ahead-of-time build (fmha.precompile)."""
+    COMBINE_PARTS), as (variant name, constexprs) for an ahead-of-time build (fmha.dispatch.precompile)."""
     wait_prior = _pdl_on(capability)
     out = []
     for parts in (1 << i for i in range(COMBINE_PARTS.bit_length())):

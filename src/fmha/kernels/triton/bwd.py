@@ -21,9 +21,9 @@ Masks, soft-cap, bias, ALiBi and dropout come from `common`, shared with the for
 import triton
 import triton.language as tl
 
-from . import launch_cache
+from ..launch import cache as launch_cache
+from ..launch.args import alibi_strides, bias_strides, cdiv, feature_flags, padded_dim, row_strides, seq_strides
 from .common import LOG2E, dropout_keep, key_range, modify_logits, seq_bounds, visible
-from .launch_args import alibi_strides, bias_strides, cdiv, feature_flags, padded_dim, row_strides, seq_strides
 
 
 @triton.jit

@@ -36,9 +36,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import fwd_gluon, launch_cache
-from .gluon_common import acc_layout, descriptor, descriptor_type, fast_descriptor, tma_aligned, tma_reduce_add
-from .launch_args import cdiv
+from ..launch import cache as launch_cache
+from ..launch.args import cdiv
+from . import fwd as fwd_gluon
+from .common import acc_layout, descriptor, descriptor_type, fast_descriptor, tma_aligned, tma_reduce_add
 from .persistent_schedule import causal_tile_order
 
 LOG2E = gl.constexpr(1.4426950408889634)

@@ -13,8 +13,8 @@ twenty-third session's profile, docs/performance.md attempt 95).
 import triton
 import triton.language as tl
 
-from . import launch_cache
-from .launch_args import cdiv
+from ..launch import cache as launch_cache
+from ..launch.args import cdiv
 
 
 @triton.jit

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import reference
-from .api import attention
+from .. import reference
+from ..api import attention
 
 DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TENSORS = ("q", "k", "v", "do")

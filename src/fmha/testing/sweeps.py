@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .api import use_dispatcher
+from ..api import use_dispatcher
 
 if TYPE_CHECKING:  # cli imports this module; the functions below import cli when they run
-    from .cli import RunSpec
+    from ..cli import RunSpec
 
 AXES: tuple[str, ...] = ("seqlen", "batch", "nhead", "hdim")
 # Values of each axis when none are given.
@@ -42,7 +42,7 @@ DEFAULT_VALUES: dict[str, dict[str, tuple[int, ...]]] = {
 
 
 def _cli() -> Any:
-    from . import cli
+    from .. import cli
 
     return cli
 
@@ -139,7 +139,7 @@ def write_csv(path: str | Path, rows: Sequence[dict], fields: Sequence[str] = CS
 
 
 def write_json(path: str | Path, rows: Sequence[dict], settings: dict | None = None) -> None:
-    from .bench import environment
+    from ..bench.suite import environment
 
     data = {"environment": environment(), "settings": settings or {}, "ok": all(r["ok"] for r in rows),
             "rows": list(rows)}
@@ -219,8 +219,9 @@ def validate_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs:
     """
     import numpy as np
 
-    from . import numerics, reference
-    from .api import attention
+    from .. import reference
+    from ..api import attention
+    from . import numerics
 
     want_mask = kwargs.get("dropout_p", 0) > 0
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
@@ -341,7 +342,8 @@ def random_tile_config(rng: random.Random, spec: RunSpec, on_cpu: bool) -> Any:
     """A random valid `fwd` config (autofilled) that serves `spec`: block_m, block_n in
     16..128 (CPU: 16..64), warps 4 or 8, stages 1..3 (CPU: 1), its estimated shared memory
     within 160 KB on CUDA (room for a bias tile)."""
-    from .configs import autofill, shared_memory_estimate
+    from ..dispatch.autofill import autofill
+    from ..dispatch.configs import shared_memory_estimate
 
     arch = "cpu" if on_cpu else "cuda"
     while True:
@@ -391,11 +393,11 @@ def stress(count: int, seed: int, device: str | torch.device, *, time_budget: fl
         try:
             spec.check()
             if random_tiles:
-                from .dispatcher import Dispatcher
-                from .tuning import _registry_forcing
+                from ..bench.tuner import registry_forcing
+                from ..dispatch.dispatcher import Dispatcher
 
                 tile = random_tile_config(random.Random(spec.seed), spec, device.type == "cpu")
-                forced = use_dispatcher(Dispatcher(_registry_forcing(cli.get_dispatcher().registry, tile)))
+                forced = use_dispatcher(Dispatcher(registry_forcing(cli.get_dispatcher().registry, tile)))
             q, k, v, kwargs = cli._inputs(spec, device)
             problem = cli.problem_of(q, k, v, **kwargs)
             row["problem"] = problem.describe()

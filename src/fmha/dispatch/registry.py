@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ..problem import DType, Feature
 from .configs import (
     CPU,
     CUDA_ARCHS,
@@ -24,7 +25,6 @@ from .configs import (
     Pipeline,
     Signature,
 )
-from .problem import DType, Feature
 
 FORMAT_VERSION = 1
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from ..problem import Problem
 from .configs import Family, KernelConfig
-from .problem import Problem
 from .registry import Registry, default_registry
 from .tuning import TuningDB
 

@@ -37,12 +37,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import bench, numerics, numerics_study, precompile, reference, sweeps, tuning
-from .api import attention, get_dispatcher, problem_of
-from .configs import CPU, CUDA_ARCHS, KVCACHE_FAMILIES, SPEC_FORMS, ConfigError, Family, KernelConfig, autofill_report
-from .dispatcher import Dispatcher, NoKernelError
-from .problem import DType, Feature, MaskAlign, Problem
-from .registry import PROFILES, Registry
+from .. import reference
+from ..api import attention, get_dispatcher, problem_of
+from ..bench import suite as bench
+from ..bench import tuner
+from ..dispatch import precompile, tuning
+from ..dispatch.autofill import SPEC_FORMS, autofill_report
+from ..dispatch.configs import (
+    CPU,
+    CUDA_ARCHS,
+    KVCACHE_FAMILIES,
+    ConfigError,
+    Family,
+    KernelConfig,
+)
+from ..dispatch.dispatcher import Dispatcher, NoKernelError
+from ..dispatch.registry import PROFILES, Registry
+from ..problem import DType, Feature, MaskAlign, Problem
+from ..testing import numerics, numerics_study, sweeps
 
 # Sizes `fmha run` / `fmha kernels explain` use for flags not given: small for the CPU
 # interpreter, realistic on a GPU.
@@ -397,7 +409,7 @@ def info() -> dict[str, Any]:
     import ml_dtypes
     import triton
 
-    from . import __version__
+    from .. import __version__
 
     data: dict[str, Any] = {}
     if torch.cuda.is_available():
@@ -715,17 +727,17 @@ def _cmd_tune(args: argparse.Namespace, console: Any) -> int:
         families = [Family(f) for f in args.family]
     else:
         profile_families = PROFILES[args.profile or "flash_fwd"][0]
-        families = [f for f in tuning.TUNABLE_FAMILIES if profile_families is None or f in profile_families]
+        families = [f for f in tuner.TUNABLE_FAMILIES if profile_families is None or f in profile_families]
     if not families:
         raise ValueError(f"profile {args.profile!r} has no tunable family; tunable: "
-                         f"{[f.value for f in tuning.TUNABLE_FAMILIES]}")
+                         f"{[f.value for f in tuner.TUNABLE_FAMILIES]}")
     arch = args.arch or (current_arch() if torch.cuda.is_available() else precompile.DEFAULT_ARCH)
     shapes = args.shapes or [_tune_shape(s) for s in TUNE_DEFAULT_SHAPES]
     problems = [Problem(b, hq, hk, seqlen, seqlen, d, d, dtype=DType(dtype), arch=arch, causal=causal,
                         window=(-1, 0) if causal else (-1, -1), deterministic=args.deterministic)
                 for dtype in args.dtype for b, hq, hk, seqlen, d, causal in shapes]
     db = tuning.TuningDB(args.db)
-    plan = [(p, f, tuning.candidates(registry, p, f)) for p in problems for f in families
+    plan = [(p, f, tuner.candidates(registry, p, f)) for p in problems for f in families
             if f != Family.BWD_DQ or p.deterministic]
     if args.dry_run:
         for problem, family, configs in plan:
@@ -747,8 +759,8 @@ def _cmd_tune(args: argparse.Namespace, console: Any) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=args.no_progress) as bar:
         task = bar.add_task("tune", total=sum(len(c) for _, _, c in plan))
-        results = tuning.tune(problems, families, registry=registry, db=db,
-                              timer=tuning.gpu_timer(args.warmup_ms, args.rep_ms),
+        results = tuner.tune(problems, families, registry=registry, db=db,
+                              timer=tuner.gpu_timer(args.warmup_ms, args.rep_ms),
                               progress=lambda n, text: bar.update(task, advance=n, description=text[:80]))
     from rich.table import Table
 
@@ -958,8 +970,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "some problem.")
     p.add_argument("--profile", choices=sorted(PROFILES), default=None,
                    help="registry profile: its configs are the candidates, its tunable families are tuned "
-                        f"({', '.join(f.value for f in tuning.TUNABLE_FAMILIES)}; default flash_fwd)")
-    p.add_argument("--family", action="append", choices=[f.value for f in tuning.TUNABLE_FAMILIES], default=None,
+                        f"({', '.join(f.value for f in tuner.TUNABLE_FAMILIES)}; default flash_fwd)")
+    p.add_argument("--family", action="append", choices=[f.value for f in tuner.TUNABLE_FAMILIES], default=None,
                    help="tune this family (repeat for several) instead of the profile's")
     p.add_argument("--shapes", nargs="+", type=_tune_shape, default=None, metavar="BxHxSxD[:causal]",
                    help="B x H x S x D or B x Hq x Hk x S x D, ':causal' for a causal mask (default: D 64, "

@@ -53,9 +53,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from . import launch_cache
-from .kvcache import F16_P_SHIFT, _descale_strides, _optional_meta, _paging
-from .launch_args import alibi_strides, unit_descale
+from ..launch import cache as launch_cache
+from ..launch.args import alibi_strides, unit_descale
+from ..triton.kvcache import F16_P_SHIFT, _descale_strides, _optional_meta, _paging
 
 ROWS = gl.constexpr(16)  # the mma tile's rows: a KV head's query heads (at most 16)
 HEAD_DIMS = (64, 128, 256)  # _tile_layout's

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import reference
+from .. import reference
 
 # Slack added to the 2x bound, per dtype (covers problems whose baseline error happens to
 # be tiny, e.g. a single visible key), scaled by the truth's largest magnitude where that

@@ -5,7 +5,7 @@ the visibility mask, the logit modifications (soft-cap, bias, ALiBi) and the dro
 keep decision. Forward and backward call the same functions, so they cannot disagree.
 
 Only relative imports inside `fmha.kernels`: the package is also loaded a second time,
-interpreted, for CPU tensors (see `fmha.kernels.loader`).
+interpreted, for CPU tensors (see `fmha.kernels.launch.loader`).
 """
 
 import triton

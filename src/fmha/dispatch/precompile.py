@@ -27,7 +27,7 @@ remembers what was built, keyed by config name, dtype, Triton version, target an
 fingerprint of the kernel source and compile arguments; entries found there are
 reported "cached" and not compiled again. Triton's own cache keeps the binaries; the
 record names each kernel's cache entry, and a recorded build whose entry is gone or
-damaged (fmha.kernel_cache.entry_problems: unreadable JSON, truncated cubin) is compiled
+damaged (fmha.kernels.launch.jit_cache.entry_problems: unreadable JSON, truncated cubin) is compiled
 again, as is a kernel that Triton's cache hands back damaged (Triton itself does not look).
 
 Limitation: Triton's runtime specialises each launch on its arguments (16-byte
@@ -60,8 +60,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ..problem import DType, Feature
 from .configs import CPU, Family, KernelConfig, Pipeline
-from .problem import DType, Feature
 from .registry import Registry
 
 RECORD_NAME = "fmha_build_record.json"
@@ -116,6 +116,7 @@ class KernelSpec:
         return ("plain", "causal") if self.causal else ("plain",)
 
 
+_TRITON_KERNELS = __package__.rsplit(".", 1)[0] + ".kernels.triton"  # (the families' Triton modules)
 _ATTN_FLOATS = frozenset({"scale", "softcap", "dropout_p"})
 _TILES = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "BLOCK_DQK": "head_dim", "BLOCK_DV": "head_dim",
           "DOT_PRECISION": "dot_precision"}
@@ -231,7 +232,7 @@ def shared_memory_limit(arch: str) -> int:
 
 def triton_cache_dir() -> str:
     """Triton's on-disk cache directory (TRITON_CACHE_DIR, or ~/.triton/cache)."""
-    from . import kernel_cache
+    from ..kernels.launch import jit_cache as kernel_cache
 
     return str(kernel_cache.cache_dir())
 
@@ -248,7 +249,7 @@ def default_record_path() -> Path:
 class CompileJob:
     """One `triton.compile` call: plain data, sent to a worker process."""
 
-    module: str  # fmha.kernels.<module>
+    module: str  # fmha.kernels.triton.<module>
     kernel: str
     signature: tuple[tuple[str, str], ...]
     constexprs: tuple[tuple[str, Any], ...]
@@ -358,7 +359,7 @@ def make_job(spec: KernelSpec, config: KernelConfig, dtype: DType, variant: str,
         else:
             signature.append((name, "fp32" if name in spec.floats else "i32"))
     a = config.algorithm
-    return CompileJob(f"{__package__}.kernels.{spec.module}", spec.kernel, tuple(signature),
+    return CompileJob(f"{_TRITON_KERNELS}.{spec.module}", spec.kernel, tuple(signature),
                       tuple(constexprs), a.num_warps, a.num_stages)
 
 
@@ -366,7 +367,7 @@ def combine_jobs(spec: KernelSpec, config: KernelConfig, dtype: DType, target: A
     """The split-KV combine's compile calls: the tiles its launcher picks by partial count
     (kvcache.combine_variants: rows a program and partials read at once from the config's block_m,
     and the wait for the split kernel where it chains by programmatic dependent launch)."""
-    from .kernels import kvcache
+    from ..kernels.triton import kvcache
 
     return [(name, make_job(spec, config, dtype, "plain", constexprs))
             for name, constexprs in kvcache.combine_variants(config.algorithm.block_m, target.arch // 10)]
@@ -379,8 +380,11 @@ def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob
     them, window: a sliding window (left, 0), and varlen: packed causal sequences): the forward
     (kernels/fwd_gluon.py) or the dK/dV backward with dQ added into an fp32 buffer
     (kernels/bwd_gluon.py)."""
-    from .kernels import bwd_gluon, fp8_vt, fwd_gluon, kvcache_gluon
-    from .kernels.persistent_schedule import PAIRS
+    from ..kernels.gluon import bwd as bwd_gluon
+    from ..kernels.gluon import fp8_vt
+    from ..kernels.gluon import fwd as fwd_gluon
+    from ..kernels.gluon import kvcache as kvcache_gluon
+    from ..kernels.gluon.persistent_schedule import PAIRS
 
     a = config.algorithm
     if config.family == Family.FWD_SPLITKV:  # the fp8 decode: partial outputs (split) or final, e4m3/e5m2 caches
@@ -442,7 +446,7 @@ def gluon_jobs(config: KernelConfig, dtype: DType) -> list[tuple[str, CompileJob
 
 
 def _kernel(spec: KernelSpec) -> Any:
-    return getattr(importlib.import_module(f"{__package__}.kernels.{spec.module}"), spec.kernel)
+    return getattr(importlib.import_module(f"{_TRITON_KERNELS}.{spec.module}"), spec.kernel)
 
 
 class SharedMemoryExceeded(RuntimeError):
@@ -493,12 +497,12 @@ def first_lines(text: str, lines: int = 8, chars: int = 1200) -> str:
 
 
 def _compile_checked(job: CompileJob, target: Any, limit: int) -> tuple[Any, str | None]:
-    """triton.compile, not trusting Triton's cache: a damaged entry (see fmha.kernel_cache)
+    """triton.compile, not trusting Triton's cache: a damaged entry (see fmha.kernels.launch.jit_cache)
     is evicted and the kernel compiled again, once. Returns (compiled, what was repaired)."""
     import triton
     from triton.compiler import ASTSource
 
-    from . import kernel_cache
+    from ..kernels.launch import jit_cache as kernel_cache
 
     fn = getattr(importlib.import_module(job.module), job.kernel)
     signature = dict(job.signature)
@@ -575,7 +579,7 @@ def compile_job(job: CompileJob, target: Any, limit: int) -> dict[str, Any]:
 
 _RESULT = "FMHA-BUILD-RESULT "
 _READY = "FMHA-BUILD-READY"
-_WORKER_CODE = "from fmha.precompile import worker_main; worker_main()"
+_WORKER_CODE = "from fmha.dispatch.precompile import worker_main; worker_main()"
 
 
 def _job_to_json(job: CompileJob, target: Any, limit: int, cache_dir: str | None) -> str:
@@ -769,7 +773,7 @@ class _Entry:
 def _stale(item: _Entry, recorded: Mapping[str, Any]) -> bool:
     """True (and item.result.message says why) when a recorded build cannot be trusted: a
     kernel's Triton cache entry is not named, is gone, or is damaged (then it is evicted)."""
-    from . import kernel_cache
+    from ..kernels.launch import jit_cache as kernel_cache
 
     why = []
     for kernel in recorded.get("kernels", []):

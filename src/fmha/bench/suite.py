@@ -303,7 +303,7 @@ def dense_mask(shape: Shape, device: str | torch.device = "cuda") -> torch.Tenso
 def _make_call(name: str, shape: Shape, gqa_native: bool = True, device: str = "cuda") -> Callable:
     """f(q, k, v) -> out for contender `name` (q (B, Hq, S, D), k/v (B, Hk or Hq, S, D))."""
     if name == "fmha":
-        from .api import attention, attention_varlen
+        from ..api import attention, attention_varlen
 
         if shape.docs:  # the batch's one sequence as packed (total, H, D) tensors, varlen's own layout
             lengths = doc_lengths(shape.seqlen, shape.docs)
@@ -636,7 +636,7 @@ def environment() -> dict[str, Any]:
     import numpy
     import triton
 
-    from . import __version__
+    from .. import __version__
 
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -892,7 +892,7 @@ def command(args: argparse.Namespace, console: Any) -> int:
 
 def _decode_command(args: argparse.Namespace, console: Any) -> int:
     """`fmha bench --decode` (bench_decode): the decode suite, its table and JSON."""
-    from . import bench_decode
+    from . import decode as bench_decode
 
     custom = any(getattr(args, name) is not None for name in SHAPE_FLAGS)
     if custom or args.suite is not None or args.shard is not None or args.csv or args.plot:

@@ -7,8 +7,8 @@ registers (`common.dropout_keep`) and never materialise this mask.
 import triton
 import triton.language as tl
 
+from ..launch.args import cdiv
 from .common import dropout_keep
-from .launch_args import cdiv
 
 
 @triton.jit(do_not_specialize=["seed", "offset"])
