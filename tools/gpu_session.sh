@@ -3,7 +3,7 @@
 # two GPUs are visible. Logs under $OUT. Usage: bash tools/gpu_session.sh [test-timeout-s]
 # (-v: the log names each test as it finishes, so a run cut short by the timeout still shows
 # which tests ran; on an H200 x2 host 376 tests did not all finish in 400 s at -n 16 or 330 s
-# at -n 28 on 2026-11-30: give it 450 s or more.)
+# at -n 28: give it 450 s or more.)
 set -u
 export PYTHONPATH=src:tests NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export FMHA_TEST_SPREAD_GPUS=1

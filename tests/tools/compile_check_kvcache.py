@@ -7,7 +7,7 @@ each needs (an sm_90 block may use 232448 bytes) and whether the K/V loads are s
 pipelined (cp.async in the PTX). Integer arguments that Triton's runtime would see as
 multiples of 16 (strides, head dims, page size) are marked so, as at run time; without
 that the head-dim masks keep the loads scalar and nothing is pipelined. Usage:
-    PYTHONPATH=src python tools/compile_check_kvcache.py
+    PYTHONPATH=src python tests/tools/compile_check_kvcache.py
 """
 
 from __future__ import annotations

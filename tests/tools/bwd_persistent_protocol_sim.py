@@ -10,7 +10,7 @@ which the writer releases; key tiles of 0-7 query iterations (0: a key tile with
 under causal). Checks: no deadlock, and every read sees the buffer version it expects (K/V of
 its tile, Q/dO of its iteration, dQ of its iteration: nothing overwritten while in use).
 
-    python tools/bwd_persistent_protocol_sim.py [--no-kv-barrier]   (3000 random cases)
+    python tests/tools/bwd_persistent_protocol_sim.py [--no-kv-barrier]   (3000 random cases)
 
 --no-kv-barrier: leave out the compute warps' CTA barrier before the kv_empty arrive (the
 kernel has it): after a tile without iterations a warp may find kv_bar two phases on.

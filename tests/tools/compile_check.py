@@ -2,7 +2,7 @@
 
 Catches errors that only the compiler sees (types merging across branches, loop-carried
 types, shared-memory budgets are NOT checked: that needs the device). Usage:
-    PYTHONPATH=src python tools/compile_check.py [kernel names, e.g. dq_kernel]
+    PYTHONPATH=src python tests/tools/compile_check.py [kernel names, e.g. dq_kernel]
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ t(k) = k * P + slot(k) (the snake, `_my_tile`) back to back, in one of the order
   group   (not in the kernel, for contrast) heads in groups of G = max(1, P // num_m), LPT inside
           each group: the group boundaries drift against the rounds and break the snake's pairing
 
-    python tools/persistent_schedule_sim.py [--programs 132] [--overhead-grid 1.0] [--overhead-persist 0.3]
-    python tools/persistent_schedule_sim.py --check   (the kernel's closed forms against enumeration)
+    python tests/tools/persistent_schedule_sim.py [--programs 132] [--overhead-grid 1.0] [--overhead-persist 0.3]
+    python tests/tools/persistent_schedule_sim.py --check   (the kernel's closed forms against enumeration)
 
 Heads in flight: distinct (batch, head) among the running tiles, time-weighted mean and max;
 KV MB: that mean times one head's K and V (bf16, D=128) against H200's 50 MB L2.

@@ -7,7 +7,7 @@ stages, 2-3 warpgroups, ping-pong turns, O staged in Q's buffer or its own (O_BU
 tiles of 1-8 key tiles. Checks: no deadlock, and every read sees the buffer version it
 expects (nothing overwritten while in use).
 
-    python tools/persistent_protocol_sim.py   (3000 random cases; prints the failures)
+    python tests/tools/persistent_protocol_sim.py   (3000 random cases; prints the failures)
 """
 
 import random
@@ -29,7 +29,7 @@ class Bar:
 
 class Machine:
     """What the actors of one case share: TMA loads in flight, the errors seen, and the random
-    interleaving (also used by tools/bwd_persistent_protocol_sim.py)."""
+    interleaving (also used by tests/tools/bwd_persistent_protocol_sim.py)."""
 
     def __init__(self, seed):
         self.rng = random.Random(seed)

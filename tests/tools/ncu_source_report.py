@@ -1,6 +1,6 @@
 """Where a kernel's warps spend their time, from the per-instruction warp-stall samples of ncu's source page.
 
-Collect (on the GPU machine; `tools/fp8_profile.py` is one such program):
+Collect (on the GPU machine; `tools/profile_one.py` is one such program):
 
     ncu --clock-control none -k regex:KERNEL --launch-skip 1 --launch-count 1 --section WarpStateStats \
         --section SourceCounters -o R python PROGRAM
@@ -8,7 +8,7 @@ Collect (on the GPU machine; `tools/fp8_profile.py` is one such program):
 
 Then, anywhere:
 
-    python tools/ncu_source_report.py R_sass.csv[.gz] [--range LO HI] [--listing] [--min-samples N]
+    python tests/tools/ncu_source_report.py R_sass.csv[.gz] [--range LO HI] [--listing] [--min-samples N]
 
 Prints the code regions (runs of instructions executed the same number of times: a loop body, a
 prologue; instructions never executed, such as a branch not taken inside a loop, do not end a
@@ -18,7 +18,6 @@ The region: --range LO HI (hex offsets from the kernel's first instruction), els
 region that issues warpgroup products (GMMA: a consumer's key loop). --listing: the region's
 instructions with at least --min-samples samples (default 250), or that synchronize (barriers,
 mbarrier waits and arrives, fences, wgmma fences and waits), with their two main stall reasons.
-(docs/runs/2026-12-02-session25/ncu_fp8_d128_regions.txt was read from this report.)
 """
 
 from __future__ import annotations
