@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test file in one run (on a 1- or 2-GPU host), then the two-GPU ring tests when
-# two GPUs are visible. Logs under $OUT. Usage: bash tools/gpu_session.sh [test-timeout-s]
+# two GPUs are visible. Logs under $OUT. Usage: bash tools/gpu_tests.sh [test-timeout-s]
 # (-v: the log names each test as it finishes, so a run cut short by the timeout still shows
 # which tests ran; on an H200 x2 host 376 tests did not all finish in 400 s at -n 16 or 330 s
 # at -n 28: give it 450 s or more.)
