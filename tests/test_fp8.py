@@ -411,7 +411,7 @@ def test_fp8_cache_is_converted_once_without_byte_loads(q_dtype, kv_dtype, cvt):
     load's layout, through shared memory as 16-bit values; with both on the load's layout
     (attempt 56) twice the 16-bit stores. Triton's own conversion (the control) reads V byte by
     byte and copies 8 bytes at a time."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
     from compile_check_kvcache import compiled_with_runtime_divisibility
 
     from fmha.kernels.triton import kvcache
@@ -471,7 +471,7 @@ def test_bf16_queries_over_a_float8_cache_take_fp16_products():
     """Compiled for sm_90 at the float8 cache's decode tile, bf16 queries take fp16 products with
     F16_DOTS (kvcache.FP8_F16_DOTS, what the launcher passes for them): the cache's bytes go to fp16
     by one cvt a pair, none through fp32 as the bf16 route's do, and the kernel's PTX is a sixth shorter."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
     from compile_check_kvcache import compiled_with_runtime_divisibility
 
     from fmha.kernels.triton import kvcache

@@ -290,12 +290,12 @@ def _key_tile_of(order, t, num_bh, num_n, sim):
 
 def test_persistent_backward_key_tile_schedule():
     """The persistent dK/dV kernel's programs (fwd_gluon's snake count/positions, transcribed in
-    tools/persistent_schedule_sim.py and checked there) together run every key tile exactly once
+    tests/tools/persistent_schedule_sim.py and checked there) together run every key tile exactly once
     in each order; the pairs order puts a head's key tiles i and n-1-i (causal work ~ n-i and
     i+1) in one unit, the longer first."""
     import importlib.util
 
-    path = Path(__file__).parent.parent / "tools" / "persistent_schedule_sim.py"
+    path = Path(__file__).parent / "tools" / "persistent_schedule_sim.py"
     spec = importlib.util.spec_from_file_location("_schedule_sim", path)
     sim = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sim)
@@ -318,13 +318,13 @@ def test_persistent_backward_key_tile_schedule():
 
 
 def test_persistent_backward_barrier_protocol():
-    """tools/bwd_persistent_protocol_sim.py: the persistent dK/dV kernel's waits and arrives
+    """tests/tools/bwd_persistent_protocol_sim.py: the persistent dK/dV kernel's waits and arrives
     (transcribed) under random interleavings: no deadlock, no buffer overwritten while read; and
     without the compute warps' barrier before kv_empty, key tiles without queries do hang."""
     import subprocess
     import sys
 
-    sim = Path(__file__).parent.parent / "tools" / "bwd_persistent_protocol_sim.py"
+    sim = Path(__file__).parent / "tools" / "bwd_persistent_protocol_sim.py"
     out = subprocess.run([sys.executable, sim], capture_output=True, text=True).stdout
     assert "failures 0" in out, out
     out = subprocess.run([sys.executable, sim, "--no-kv-barrier"], capture_output=True, text=True).stdout
@@ -634,7 +634,7 @@ def test_persistent_forward_compile_spec():
 def test_persistent_causal_tile_order():
     """fwd_gluon's causal tile order (TILE_ORDER) reaches only the persistent causal kernel and
     defaults to pairs of row tiles (2); the schedule simulation's transcription of the kernel's
-    tile count and positions walks every tile once (tools/persistent_schedule_sim.py --check)."""
+    tile count and positions walks every tile once (tests/tools/persistent_schedule_sim.py --check)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -646,7 +646,7 @@ def test_persistent_causal_tile_order():
     assert spec(causal=True, persistent=True, tile_order=1)[1]["TILE_ORDER"] == 1
     assert spec(causal=True, tile_order=1)[1]["TILE_ORDER"] == 0  # one tile per program: nothing to order
     assert spec(causal=False, persistent=True)[1]["TILE_ORDER"] == 0  # heads outermost, as without persistence
-    sim = Path(__file__).parent.parent / "tools" / "persistent_schedule_sim.py"
+    sim = Path(__file__).parent / "tools" / "persistent_schedule_sim.py"
     out = subprocess.run([sys.executable, sim, "--check"], capture_output=True, text=True, check=True).stdout
     assert "check: ok" in out, out
 

@@ -7,7 +7,7 @@ import torch
 
 import fmha
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
 
 
 def test_compiling_for_sm90_still_works_after_an_interpreted_run(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
-"""tools/ncu_source_report.py on a real profile: the twenty-fifth session's `ncu` of the fp8 D=128 forward
-(docs/runs/2026-12-02-session25/ncu_fp8_d128_sass.csv.gz, 4096 CTAs of two consumer warpgroups, 32 key
-tiles each, the first peeled: 31 loop iterations a warp)."""
+"""tests/tools/ncu_source_report.py on a real profile: an `ncu` source-page export of the fp8 D=128 forward
+(tests/data/ncu_fp8_d128_sass.csv.gz, 4096 CTAs of two consumer warpgroups, 32 key tiles each, the
+first peeled: 31 loop iterations a warp)."""
 
 import importlib.util
 import sys
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
-PROFILE = ROOT / "docs" / "runs" / "2026-12-02-session25" / "ncu_fp8_d128_sass.csv.gz"
+PROFILE = Path(__file__).parent / "data" / "ncu_fp8_d128_sass.csv.gz"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("ncu_source_report", ROOT / "tools" / "ncu_source_report.py")
+    path = Path(__file__).parent / "tools" / "ncu_source_report.py"
+    spec = importlib.util.spec_from_file_location("ncu_source_report", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # (its dataclasses look their module up)
     spec.loader.exec_module(module)

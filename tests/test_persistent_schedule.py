@@ -1,5 +1,5 @@
 """kernels/persistent_schedule: the persistent kernels' causal tile order. The makespan model
-must be the kernels' static schedule (checked against tools/persistent_schedule_sim.py's
+must be the kernels' static schedule (checked against tests/tools/persistent_schedule_sim.py's
 enumeration of `_my_tile`'s positions), and the launchers must run pairs where heads outermost
 would leave programs idle (B=1 H=16 S=16384: the D=64 backward ran at 0.71x cuDNN)."""
 
@@ -24,7 +24,7 @@ from fmha.kernels.launch import cache as launch_cache
 
 
 def _sim():
-    path = Path(__file__).parent.parent / "tools" / "persistent_schedule_sim.py"
+    path = Path(__file__).parent / "tools" / "persistent_schedule_sim.py"
     spec = importlib.util.spec_from_file_location("persistent_schedule_sim", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

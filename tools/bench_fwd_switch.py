@@ -1,6 +1,5 @@
-"""A/B of a switch of the Gluon forward (a module constant of fwd_gluon: P_SMEM_16 and P_SMEM_FP8 on main,
-attempts 83-84, and FP8_Q_REGS, attempt 98; on experiment branches S_AHEAD of exp/fwd-s-ahead, 79-81,
-DEFERRED_EPILOGUE of exp/fwd-deferred-epilogue, 78), at each of its values, side by side with SDPA cuDNN
+"""A/B of a switch of the Gluon forward (a module constant of fwd_gluon, e.g. P_SMEM_16, P_SMEM_FP8 or
+FP8_Q_REGS), at each of its values, side by side with SDPA cuDNN
 (16-bit rows) or fmha's bf16 forward (fp8 rows: D=64, 128 and 256, full and causal).
 Contenders alternate in rotated order each round (`fmha.bench.suite`'s protocol); each fmha time is
 `do_bench`'s median of one forward call (launch plans cleared on each switch). Also the largest

@@ -12,11 +12,11 @@
 #
 # PTX "differs" with SASS "same" is expected where only line numbers and inlining debug info moved.
 # ptxas is not deterministic for every kernel: the same PTX compiled concurrently gave one of two
-# SASS for the plain D=256 kernel (2026-11-30); so where the PTX is identical and the SASS is
+# SASS for the plain D=256 kernel; so where the PTX is identical and the SASS is
 # not, run ptxas on that PTX a few times (the line printed says how) before suspecting the change.
 # The script does that itself: where 8 more runs of ptxas on the PTX give both SASS, the line says
 # `sass:same(ptxas: ...)`. (Compiling bf16 and fp16 side by side, the plain D=128 and D=256
-# kernels gave either of two SASS, also from ptxas run alone on the same PTX, 2026-11-30.)
+# kernels gave either of two SASS, also from ptxas run alone on the same PTX.)
 set -euo pipefail
 ref=${1:-HEAD}
 out=${OUT:-/tmp/bwd_sass_identity}

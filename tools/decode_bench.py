@@ -48,7 +48,7 @@ LEGACY = " legacy addressing"  # cache kinds also run with the addressing of bef
 
 @contextlib.contextmanager
 def legacy_addressing():
-    """Launches as before 2026-11-30's sixth session: int64 row offsets, a key's page by an
+    """Launches with the older addressing: int64 row offsets, a key's page by an
     integer division by the run-time page size, K and V row offsets computed apart. The same
     kernel source, so the pair times the addressing alone."""
     saved = kvcache_kernels._paging, kvcache_kernels._offsets_fit_int32, kvcache_kernels._same_strides

@@ -14,10 +14,10 @@ and times decode (B=32, Hq=32, Hk=8, S=8192; B=8, S=32768) over a bf16 cache and
 --persistent: also the registry's fp8 Gluon tile as the persistent kernel (one program per SM,
 tiles in pairs under causal), which the registry does not choose for fp8; --quick: no Triton
 fp8 contender and no decode; --decode-only: the decode rows alone. The decode rows include the
-fp8 cache converted by Triton's own `.to` ("(Triton cvt)", kvcache.FP8_ASM off: attempt 56's control) and
-with K's conversion on the load's layout too ("(K on load layout)", kvcache.FP8_K_AT_DOT off: attempt 58's),
-and with the products in bf16 ("(bf16 products)", kvcache.FP8_F16_DOTS off: attempt 104's control); the
-registry's fp8 decode is the Gluon one (attempt 106) where it applies, these switches are the Triton kernel's
+fp8 cache converted by Triton's own `.to` ("(Triton cvt)", kvcache.FP8_ASM off) and
+with K's conversion on the load's layout too ("(K on load layout)", kvcache.FP8_K_AT_DOT off),
+and with the products in bf16 ("(bf16 products)", kvcache.FP8_F16_DOTS off); the registry's fp8
+decode is the Gluon one (kernels/kvcache_gluon.py) where it applies, these switches are the Triton kernel's
 ("Triton ..." rows: the registry without the Gluon decode), and the fp8 cache in shuffled pages of 1, 16, 64
 and 256 keys (block table) and 64 (FlashInfer/SGLang tables), and pages of 64 on the Triton kernel.
 """
@@ -70,11 +70,11 @@ def triton_candidate(head_dim: int) -> KernelConfig:
     return KernelConfig(Signature(Family.FWD, FP8, (arch,), head_dim), Algorithm(*TRITON_TILE[head_dim]))
 
 
-B, H, S = 4, 16, 8192  # issue 6's benchmark shape
+B, H, S = 4, 16, 8192  # the fp8 benchmark shape
 
 
 def issue_inputs(head_dim: int) -> tuple:
-    """((q, k, v) bf16 (B, H, S, head_dim) of issue 6's shape, seeded by head_dim, and their e4m3
+    """((q, k, v) bf16 (B, H, S, head_dim) of the benchmark's shape, seeded by head_dim, and their e4m3
     quantizations ((q8, q_descale), ...) with per-(batch, head) descales)."""
     gen = torch.Generator(device="cuda").manual_seed(head_dim)
     qkv = tuple(torch.randn(B, H, S, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))

@@ -1,6 +1,6 @@
 """The matrix-product ceilings of this GPU: bf16 `torch.mm` and fp8 e4m3 `torch._scaled_mm` (cuBLASLt),
 M = N = K = 8192 by default, TFLOP/s by `do_bench` (median), alternating, a few rounds. The fp8 forward's
-goal (1.5x our bf16 forward, issue 6) read against what the tensor cores give a plain GEMM here.
+goal (1.5x our bf16 forward) read against what the tensor cores give a plain GEMM here.
 
     PYTHONPATH=src python tools/gemm_ceiling.py [--size 8192] [--rounds 3]
 """
@@ -15,7 +15,7 @@ from triton.testing import do_bench
 
 
 def gemm_calls(n: int) -> dict:
-    """The two products at M = N = K = n: name -> call (also tools/power_probe.py's GEMM contenders)."""
+    """The two products at M = N = K = n: name -> call."""
     x, y = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     x8 = x.to(torch.float8_e4m3fn)
     y8 = y.to(torch.float8_e4m3fn).t().contiguous().t()  # column-major B, as cuBLASLt's fp8 path wants

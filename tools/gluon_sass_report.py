@@ -66,7 +66,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 GMMA = ("HGMMA", "QGMMA")  # warpgroup MMAs: 16-bit, fp8
 # (head_dim, block_m, block_n, stages): the registry's Gluon backward configs.
 VARIANTS = [(64, 64, 128, 3), (128, 64, 128, 2), (256, 64, 64, 2)]
-# pipeline gluon_ws; D=256: `_ws_compute_d256` (not in the registry yet, docs/notes/bwd-d256-ws.md)
+# pipeline gluon_ws; D=256: `_ws_compute_d256` (docs/kernels.md, "Backward at D=256")
 WS_VARIANTS = [(64, 64, 128, 3), (128, 64, 128, 3), (256, 64, 64, 2)]
 COUNTED = ["REDG", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "STSM", "LDL", "STL", "HGMMA", "BAR", "BRA"]
 _LINE = re.compile(r"/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")

@@ -32,12 +32,21 @@ import types
 import torch
 
 import fmha
-from fmha import api, kvcache
+from fmha import kvcache
 from fmha.kernels.gluon import bwd as bwd_gluon
 from fmha.kernels.gluon import fwd as fwd_gluon
 from fmha.kernels.launch import cache as launch_cache
 from fmha.kernels.launch import loader, plan_tables
-from fmha.ops import prepare
+from fmha.ops import attention as attention_ops
+from fmha.ops import call_plans, prepare
+
+OPS = (prepare, attention_ops, call_plans)  # (each binds the names it imports: patch all)
+
+
+def _patch_ops(name: str, value) -> None:
+    for module in OPS:
+        if hasattr(module, name):
+            setattr(module, name, value)
 
 _REAL_LAUNCHERS = (prepare.launch_forward, prepare.launch_dkdv)
 
@@ -57,11 +66,11 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
 
 def stub_dense_launches_cpu() -> None:
     """CPU tensors' own path, every launcher a no-op."""
-    prepare.launch_forward = lambda *a, **k: None  # time the host path only
-    prepare.launch_dkdv = lambda *a, **k: None
+    _patch_ops("launch_forward", lambda *a, **k: None)  # time the host path only
+    _patch_ops("launch_dkdv", lambda *a, **k: None)
     no_launch = types.SimpleNamespace(**{name: (lambda *a, **k: None) for name in (
         "launch_dot_do_o", "launch_delta", "launch_dkdv", "launch_dq", "launch_convert_dq")})
-    api.family_module = lambda name, interpreted=False: no_launch
+    _patch_ops("family_module", lambda name, interpreted=False: no_launch)
     prepare.PREPARED.clear()  # (cached Problems carry the arch, and so do the call plans)
     plan_tables.clear_plans()
 
@@ -80,9 +89,10 @@ class _AlwaysHit(dict):
 def stub_dense_launches_h200() -> None:
     """CUDA tensors' path on an H200 (sm90, 132 SMs): the real launchers (compiled modules)
     up to the launch, which `launch_cache` turns into a no-op."""
-    prepare.launch_forward, prepare.launch_dkdv = _REAL_LAUNCHERS
-    prepare.arch_of = lambda device: "sm90"
-    api.family_module = lambda name, interpreted=False: loader.family_module(name, interpreted=False)
+    _patch_ops("launch_forward", _REAL_LAUNCHERS[0])
+    _patch_ops("launch_dkdv", _REAL_LAUNCHERS[1])
+    _patch_ops("arch_of", lambda device: "sm90")
+    _patch_ops("family_module", lambda name, interpreted=False: loader.family_module(name, interpreted=False))
     launch_cache._CACHE = _AlwaysHit()
     launch_cache.driver = types.SimpleNamespace(active=types.SimpleNamespace(
         get_current_device=lambda: 0, get_current_stream=lambda device: 0))
