@@ -63,6 +63,24 @@ def test_other_problems_fall_back_to_triton_and_explain_says_why(change, reason)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (127, 0)])
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
+def test_sink_logits_get_the_gluon_forward_and_backward(head_dim, window, dtype):
+    """Sink logits (gpt-oss) stay on the Hopper kernels: the forward adds them in its epilogue
+    (HAS_SINKS) and the dK/dV kernel reads them through the LSE; float8 inputs with sinks take
+    the Triton forward, and explain says why."""
+    problem = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, window=window, sinks=True, dtype=dtype)
+    dispatcher = Dispatcher(default_registry())
+    assert dispatcher.plan_forward(problem).config(Family.FWD).algorithm.pipeline.is_gluon
+    assert dispatcher.plan_backward(problem).config(Family.BWD_DQ_DK_DV).algorithm.pipeline.is_gluon
+    fp8 = problem.with_(dtype=DType.FP8_E4M3)
+    assert dispatcher.plan_forward(fp8).config(Family.FWD).algorithm.pipeline == Pipeline.TRITON
+    fp8_gluon = next(c for c in default_registry() if c.family == Family.FWD and c.algorithm.pipeline.is_gluon
+                     and DType.FP8_E4M3 in c.signature.dtypes and c.signature.head_dims == (head_dim,))
+    assert "features not supported: ['sinks']" in " ".join(fp8_gluon.signature.refusals(fp8))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("window", [(0, 0), (127, 0), (1000, 0)])
 @pytest.mark.parametrize("family", [Family.FWD, Family.BWD_DQ_DK_DV])
 def test_sliding_windows_left_of_the_diagonal_get_the_one_tile_gluon_kernels(head_dim, window, family):

@@ -71,6 +71,45 @@ def test_gluon_forward_sliding_window(rng, head_dim, left, align, shape):
     check_attention(q, k, v, truth="torch64", **kw)
 
 
+def _sink_logits(rng, nhead_q: int) -> torch.Tensor:
+    """Per-head sink logits: small, large (the sink dominates the row: 2**(sink - max) must not
+    overflow) and -inf (no sink), the rest random."""
+    sinks = torch.randn(nhead_q, generator=rng)
+    sinks[0] = 25.0
+    if nhead_q > 1:
+        sinks[1] = float("-inf")
+    return sinks.to(CUDA)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_top_left", "window"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[4]], ids=lambda s: "x".join(map(str, s)))
+def test_gluon_forward_with_sink_logits(rng, head_dim, mask, shape):
+    """Sink logits in the Gluon forward's epilogue (HAS_SINKS), one-tile and persistent kernels:
+    rows with no visible key (Sq > Sk) must give O = 0 and LSE = the head's sink."""
+    q, k, v, kw = _masked_problem(rng, torch.bfloat16, head_dim, "none" if mask == "window" else mask, shape)
+    if mask == "window":
+        kw = dict(window=(127, 0))
+    kw["sinks"] = _sink_logits(rng, q.shape[1])
+    assert _uses_gluon(q, k, v, **kw), fmha.explain(q, k, v, **kw)
+    check_attention(q, k, v, truth="torch64", **kw)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (127, 0)])
+def test_gluon_sink_logits_forward_and_backward_at_a_gpt_oss_layer(rng, window):
+    """gpt-oss's attention (GQA 64:8, D=64, sink logits, windows of 128 keys on every other
+    layer) at a realistic size: forward and backward on the Gluon kernels, dsinks from stage 1."""
+    from attn_testing import check_backward
+
+    q, k, v = make_qkv(rng, dtype=torch.bfloat16, layout="bshd", device=CUDA, batch=1, nhead_q=16,
+                       nhead_k=2, seqlen_q=2048, seqlen_k=2048, head_dim=64)
+    kw = dict(layout="bshd", window=window, sinks=_sink_logits(rng, 16))
+    assert _uses_gluon(q, k, v, **kw), fmha.explain(q, k, v, **kw)
+    check_attention(q, k, v, truth="torch64", **kw)
+    assert _bwd_uses_gluon(q.requires_grad_(), k, v, **kw), fmha.explain(q, k, v, **kw)
+    check_backward(q.detach(), k, v, truth="torch64", with_dlse=True, **kw)
+
+
 @pytest.mark.parametrize("left", [0, 700])
 def test_gluon_sliding_window_fp16_gqa_bshd_and_backward(rng, left):
     """A window in fp16, bshd, GQA, at a realistic size, then its backward (the Gluon dK/dV kernel,

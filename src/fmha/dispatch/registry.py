@@ -174,6 +174,10 @@ def default_registry() -> Registry:
     # 2026-11-30, docs/performance.md). Ping-pong helped at D=128/256 and cost 2-3% at D=64.
     pp, ws = Pipeline.GLUON_WS_PINGPONG, "FA3-style warp-specialized forward"
     fwd_features = _GLUON_FEATURES | {Feature.DETERMINISTIC}  # the forward has no atomics
+    # The 16-bit forward adds sink logits in its epilogue (fwd_gluon's HAS_SINKS); the dK/dV
+    # kernels need nothing for them (P comes from the LSE, which holds the sink; dsinks and the
+    # exact delta are stage 1's, a Triton kernel).
+    fwd16_features = fwd_features | {Feature.SINKS}
     # Persistent (one program per SM walking the CTA tiles) first: it measured faster (H200,
     # 2026-11-30, attempts 27 and 32): D=64 +4-17%, D 128/256 without a mask +2-19%, causal
     # D 128/256 +1-16% with tiles in pairs of a head's longest and shortest row tile (the
@@ -187,17 +191,17 @@ def default_registry() -> Registry:
     # tile orders balance the causal triangle's row tiles, which a window makes equal).
     # The one-tile 16-bit configs also take varlen (fwd_gluon's VARLEN: packed sequences, rows
     # offset per sequence in the kernel, O by per-thread stores).
-    one_tile = fwd_features | {Feature.VARLEN}
+    one_tile = fwd16_features | {Feature.VARLEN}
     configs = [
         # (D=64 persistent at 2 stages: 1.004-1.013x of 3 over the persistent rows in two H200
         # runs, causal S 4096/8192 +1-2%, attempt 61; the one-tile kernel keeps 3: 2 lost 1-4%)
-        _gluon_config(Family.FWD, 64, 128, 128, 4, 2, Pipeline.GLUON_WS, ws + ", persistent", fwd_features,
+        _gluon_config(Family.FWD, 64, 128, 128, 4, 2, Pipeline.GLUON_WS, ws + ", persistent", fwd16_features,
                       persistent=True, max_unmasked_seqlen_k=long_unmasked),
         _gluon_config(Family.FWD, 64, 128, 128, 4, 3, Pipeline.GLUON_WS, ws, one_tile, left_window=True),
-        _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong, persistent", fwd_features,
+        _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong, persistent", fwd16_features,
                       persistent=True, max_unmasked_seqlen_k=long_unmasked),
         _gluon_config(Family.FWD, 128, 128, 128, 4, 2, pp, ws + ", ping-pong", one_tile, left_window=True),
-        _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong, persistent", fwd_features,
+        _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong, persistent", fwd16_features,
                       persistent=True),
         _gluon_config(Family.FWD, 256, 128, 64, 4, 2, pp, ws + ", ping-pong", one_tile, left_window=True),
     ]
@@ -250,10 +254,11 @@ def default_registry() -> Registry:
     # tile's loop ends at the last query tile whose windows reach it); the persistent one refuses them.
     # The one-tile warp-specialized ones also take varlen (VARLEN: packed sequences, rows offset per
     # sequence in the kernel, dK/dV by per-thread stores).
-    lw = dict(left_window=True)
-    ws_varlen = dict(lw, features=_GLUON_FEATURES | {Feature.VARLEN})
+    bwd_features = _GLUON_FEATURES | {Feature.SINKS}
+    lw = dict(left_window=True, features=bwd_features)
+    ws_varlen = dict(lw, features=bwd_features | {Feature.VARLEN})
     configs += [_gluon_config(Family.BWD_DQ_DK_DV, 64, 128, 128, 8, 2, Pipeline.GLUON_WS,
-                              m128_halves + ", persistent", persistent=True),
+                              m128_halves + ", persistent", bwd_features, persistent=True),
                 _gluon_config(Family.BWD_DQ_DK_DV, 64, 128, 128, 8, 2, Pipeline.GLUON_WS, m128_halves, **ws_varlen),
                 _gluon_config(Family.BWD_DQ_DK_DV, 64, 64, 128, 8, 3, Pipeline.GLUON, bwd_notes, **lw),
                 _gluon_config(Family.BWD_DQ_DK_DV, 128, 64, 128, 8, 3, Pipeline.GLUON_WS, ws_bwd, **ws_varlen),

@@ -249,7 +249,7 @@ def launch_forward(prep: Prepared, config: KernelConfig, o_view: Tensor, lse: Te
                 align_bottom_right=p.mask_align == MaskAlign.BOTTOM_RIGHT, scale=prep.scale,
                 block_m=a.block_m, block_n=a.block_n, num_stages=a.num_stages,
                 pingpong=a.pipeline == Pipeline.GLUON_WS_PINGPONG, persistent=a.persistent,
-                descales=tuple(fp8_descales.values()) if fp8_descales else None,
+                descales=tuple(fp8_descales.values()) if fp8_descales else None, sinks=sinks,
                 **({key: kernel_args[key] for key in VARLEN_ARGS} if p.varlen else {}))
         else:
             family_module("triton.fwd", interpreted=prep.q.device.type == "cpu").launch(

@@ -55,6 +55,7 @@ from .persistent_schedule import causal_tile_order
 
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
+LOG2E_C = gl.constexpr(LOG2E)
 # scale 0 would give -inf * 0 = NaN on masked keys; 1e-30 changes no logit by an fp32 ulp.
 TINY_SCALE = gl.constexpr(1e-30)
 # Registers per thread: 3 warpgroups start at MAXNREG (168 * 384 threads fit 64K); the
@@ -496,10 +497,36 @@ def _attend(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, q_
 
 
 @gluon.jit
+def _with_sink(acc, m_i, l_i, h, qk_scale, sinks_ptr, P_SHIFT: gl.constexpr):
+    """(acc, l, lse) with head h's sink logit in the denominator. In log2 units the rows' terms
+    sum to l * 2**(m * qk_scale - P_SHIFT) and the sink adds 2**sink; both are taken relative to
+    their maximum M, so neither can overflow: l' = l * 2**(r) + 2**(sink - M) with r = m * qk_scale
+    - P_SHIFT - M, acc' = acc * 2**r (acc / l' is then O). An empty row (m = -inf, l = 0) gets
+    l' = 1, acc' = 0 and LSE = the sink logit; a sink of -inf (no sink) leaves the row as it was."""
+    o_layout: gl.constexpr = acc.type.layout
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    sink = gl.load(sinks_ptr + h).to(gl.float32) * LOG2E_C
+    rows_max = m_i * qk_scale - P_SHIFT  # -inf for an empty row
+    top = gl.maximum(rows_max, sink)
+    top = gl.where(top == float("-inf"), 0.0, top)  # (no row term and no sink: l stays 0)
+    rows_share = gl.exp2(rows_max - top)
+    l_new = l_i * rows_share + gl.exp2(sink - top)
+    empty = l_new == 0.0
+    l_new = gl.where(empty, 1.0, l_new)
+    lse = gl.where(empty, float("-inf"), (top + gl.log2(l_new)) * LN2)
+    acc = acc * gl.convert_layout(rows_share, orow_layout)[:, None]
+    return acc, l_new, lse
+
+
+@gluon.jit
 def _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, o_tile, o_desc, o_ptr, stride_ob, stride_oh,
-              stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales,
-              O_TMA: gl.constexpr, FP8: gl.constexpr, WAIT_BEFORE: gl.constexpr, HEAD_DIM: gl.constexpr):
+              stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales, sinks_ptr,
+              O_TMA: gl.constexpr, FP8: gl.constexpr, WAIT_BEFORE: gl.constexpr, HEAD_DIM: gl.constexpr,
+              HAS_SINKS: gl.constexpr):
     """Normalize O, store it and the LSE. Empty rows (all keys masked) give 0 and LSE -inf.
+
+    HAS_SINKS: head h's sink logit (fp32, natural-log units, `sinks_ptr[h]`) joins the softmax's
+    denominator only (`_with_sink`); an empty row then gives O = 0 and LSE = the sink logit.
 
     O_TMA: O is staged in `o_tile` and stored by TMA; WAIT_BEFORE: the previous store from
     `o_tile` is waited for before it is overwritten and this one is left in flight (the caller
@@ -507,9 +534,13 @@ def _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, o_tile, o_desc, o
     P_SHIFT: gl.constexpr = P_LOG2_SCALE if FP8 else 0
     o_layout: gl.constexpr = acc.type.layout
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i * qk_scale + gl.log2(l_safe) - P_SHIFT) * LN2)
+    if HAS_SINKS:
+        acc, l_i, lse = _with_sink(acc, m_i, l_i, h, qk_scale, sinks_ptr, P_SHIFT)
+        l_safe = l_i  # (> 0: the sink's share is)
+    else:
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        lse = gl.where(empty, float("-inf"), (m_i * qk_scale + gl.log2(l_safe) - P_SHIFT) * LN2)
     gl.store(lse_ptr + b.to(gl.int64) * stride_lb + h * stride_lh + rows * stride_lm, lse,
              mask=rows < seqlen_q)
     if FP8:  # the v descale multiplies the output
@@ -540,11 +571,11 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constex
               PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              TAU: gl.constexpr, P_SMEM: gl.constexpr, Q_REGS: gl.constexpr):
+              TAU: gl.constexpr, P_SMEM: gl.constexpr, Q_REGS: gl.constexpr, HAS_SINKS: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
      seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem, window_left, cu_seqlens,
-     p_smem) = args
+     p_smem, sinks_ptr) = args
     s_layout: gl.constexpr = acc_layout(WG_ROWS, BLOCK_N, 4, 32 if FP8 else 16)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_tile = q_smem.index(WG)
@@ -573,7 +604,7 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constex
                 o_tile = q_tile
             _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, tile_scale, o_tile, o_desc, o_ptr, stride_ob,
                       stride_oh, stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales,
-                      O_TMA, FP8, O_BUF, HEAD_DIM)
+                      sinks_ptr, O_TMA, FP8, O_BUF, HEAD_DIM, HAS_SINKS)
             if O_TMA and not O_BUF:  # O was staged in Q's buffer and its store has read it
                 mbarrier.arrive(q_empty.index(WG), count=1)
             it += n_tiles
@@ -601,8 +632,8 @@ def _consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_LEFT: gl.constex
                                     HEAD_DIM, STAGES, TAU, P_SMEM, Q_REGS)
             # (With O_TMA, Q is no longer read: its buffer stages O for the TMA store.)
             _epilogue(acc, m_i, l_i, rows, row_lo, b, h, hk, qk_scale, q_tile, o_desc, o_ptr, stride_ob, stride_oh,
-                      stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales, O_TMA, FP8, False,
-                      HEAD_DIM)
+                      stride_om, lse_ptr, stride_lb, stride_lh, stride_lm, seqlen_q, descales, sinks_ptr, O_TMA, FP8,
+                      False, HEAD_DIM, HAS_SINKS)
 
 
 @gluon.jit
@@ -611,9 +642,9 @@ def _consumer0(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.co
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr,
-               P_SMEM: gl.constexpr, Q_REGS: gl.constexpr):
+               P_SMEM: gl.constexpr, Q_REGS: gl.constexpr, HAS_SINKS: gl.constexpr):
     _consumer(args, 0, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM, Q_REGS)
+              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM, Q_REGS, HAS_SINKS)
 
 
 @gluon.jit
@@ -622,9 +653,9 @@ def _consumer1(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.co
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr,
-               P_SMEM: gl.constexpr, Q_REGS: gl.constexpr):
+               P_SMEM: gl.constexpr, Q_REGS: gl.constexpr, HAS_SINKS: gl.constexpr):
     _consumer(args, 1, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM, Q_REGS)
+              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM, Q_REGS, HAS_SINKS)
 
 
 @gluon.jit
@@ -633,9 +664,9 @@ def _consumer2(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.co
                FP8: gl.constexpr, PERSISTENT: gl.constexpr, O_BUF: gl.constexpr,
               TILE_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAU: gl.constexpr,
-               P_SMEM: gl.constexpr, Q_REGS: gl.constexpr):
+               P_SMEM: gl.constexpr, Q_REGS: gl.constexpr, HAS_SINKS: gl.constexpr):
     _consumer(args, 2, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF, TILE_ORDER,
-              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM, Q_REGS)
+              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, TAU, P_SMEM, Q_REGS, HAS_SINKS)
 
 
 @gluon.jit
@@ -668,7 +699,7 @@ def _producer(args, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.con
     (q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, stride_om, lse_ptr, stride_lb, stride_lh,
      stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
      seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale, descales, q_empty, o_smem, window_left, cu_seqlens,
-     p_smem) = args
+     p_smem, sinks_ptr) = args
     if PERSISTENT:
         num_bh = q_desc.shape[0] * nheads_q
         num_tiles = gl.cdiv(seqlen_q, BLOCK_M) * num_bh
@@ -718,15 +749,17 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
                   lse_ptr, stride_lb, stride_lh, stride_lm,
                   seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale,
                   qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh,
-                  vd_ptr, stride_vdb, stride_vdh, window_left, cu_seqlens_q, cu_seqlens_k,
+                  vd_ptr, stride_vdb, stride_vdh, window_left, cu_seqlens_q, cu_seqlens_k, sinks_ptr,
                   CAUSAL: gl.constexpr, NEG_SCALE: gl.constexpr, O_TMA: gl.constexpr, PINGPONG: gl.constexpr,
                   FP8: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                   PERSISTENT: gl.constexpr, O_BUF: gl.constexpr, TILE_ORDER: gl.constexpr = 2,
                   RESCALE_TAU: gl.constexpr = 0.0, HAS_LEFT: gl.constexpr = False, VARLEN: gl.constexpr = False,
-                  P_SMEM: gl.constexpr = False, Q_REGS: gl.constexpr = False):
-    """RESCALE_TAU > 0: the lazy O rescale (`_attend`; 0: O is rescaled on every key tile).
+                  P_SMEM: gl.constexpr = False, Q_REGS: gl.constexpr = False, HAS_SINKS: gl.constexpr = False):
+    """HAS_SINKS: sink logits, one fp32 a query head at `sinks_ptr` (None without), in the softmax's
+    denominator only (`_with_sink`).
+    RESCALE_TAU > 0: the lazy O rescale (`_attend`; 0: O is rescaled on every key tile).
     HAS_LEFT (with CAUSAL): a sliding window (window_left, 0), key j visible to row i when
     i + diag - window_left <= j <= i + diag; the key tiles left of a CTA tile's windows are not
     loaded (`_coords`).
@@ -813,25 +846,30 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, stride_ob, stride_oh, s
             stride_lh, stride_lm, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
             seqlen_q, seqlen_k, nheads_q, group, diag, qk_scale,
             (qd_ptr, stride_qdb, stride_qdh, qd_group, kd_ptr, stride_kdb, stride_kdh, vd_ptr, stride_vdb,
-             stride_vdh), q_empty, o_smem, window_left, (cu_seqlens_q, cu_seqlens_k), p_smem)
+             stride_vdh), q_empty, o_smem, window_left, (cu_seqlens_q, cu_seqlens_k), p_smem, sinks_ptr)
     # (The constexpr arguments are spelled out per partition: a tuple variable would not keep them constexpr.)
     if NUM_WG == 3:  # FA3's 192-row tile for small head dims: a third warpgroup hides more softmax
         gl.warp_specialize([
             (_consumer0, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS,
+                          HAS_SINKS)),
             (_consumer1, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS,
+                          HAS_SINKS)),
             (_consumer2, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS,
+                          HAS_SINKS)),
             (_producer, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer0, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS,
+                          HAS_SINKS)),
             (_consumer1, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
-                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS)),
+                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, RESCALE_TAU, P_SMEM, Q_REGS,
+                          HAS_SINKS)),
             (_producer, (args, CAUSAL, HAS_LEFT, VARLEN, NEG_SCALE, O_TMA, PINGPONG, FP8, PERSISTENT, O_BUF,
                          TILE_ORDER, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -886,7 +924,7 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
            block_m: int, block_n: int, num_stages: int, pingpong: bool = True,
            descales: tuple | None = None, persistent: bool = False, tile_order: int | None = None,
            rescale_tau: float | None = None, window_left: int = -1, cu_seqlens_q=None, cu_seqlens_k=None,
-           max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> launch_cache.Planned | None:
+           max_seqlen_q: int = 0, max_seqlen_k: int = 0, sinks=None) -> launch_cache.Planned | None:
     """q/k/v: (B, H, S, D) views with 16-byte aligned strides; o: (B, Hq, Sq, D) view of any
     float dtype and strides (a TMA store when it is q's dtype and aligned); lse: (B, Hq, Sq) fp32.
 
@@ -906,6 +944,9 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
     window_left >= 0 (with causal): the sliding window (window_left, 0), each row's keys from
     window_left before its diagonal to the diagonal (HAS_LEFT); -1: none.
 
+    sinks: fp32 (Hq,) sink logits (HAS_SINKS, fp16/bf16), in the softmax's denominator only. A
+    call with sinks keeps no plan (its tensor is not among a plan's arguments).
+
     cu_seqlens_q/k (int32 (B + 1,) prefix sums; one tile a program, fp16/bf16): packed sequences
     (VARLEN), q/k/v/o (total, H, D), lse (Hq, total_q), max_seqlen_q/k the longest sequences;
     masks align per sequence.
@@ -920,11 +961,14 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         return _launch_varlen(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal=causal, align_bottom_right=align_bottom_right, scale=scale, block_m=block_m,
                               block_n=block_n, num_stages=num_stages, pingpong=pingpong, persistent=persistent,
-                              descales=descales, rescale_tau=rescale_tau, window_left=window_left)
+                              descales=descales, rescale_tau=rescale_tau, window_left=window_left,
+                              sinks=sinks)
+    if sinks is not None and fp8:
+        raise ValueError("sinks: the fp16/bf16 kernel only (float8 inputs take the Triton kernel)")
     if fp8:
         descales = descale_views(descales, q.device)
     key = None
-    if launch_cache.plans_enabled(fwd_ws_kernel):
+    if sinks is None and launch_cache.plans_enabled(fwd_ws_kernel):
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
                lse.stride(), q.dtype, o.dtype, o.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0,
                q.get_device(), launch_cache.current_device(), causal, align_bottom_right, scale, block_m, block_n,
@@ -966,7 +1010,7 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         fp8_args = (None, 0, 0, 1, None, 0, 0, None, 0, 0)
     # (after the tensors: every argument fixed by the key; fp8: the descales are the call's tensors, so
     # a plan's tail starts after them)
-    tail = (max(window_left, -1), None, None)  # (no cu_seqlens: not VARLEN)
+    tail = (max(window_left, -1), None, None, sinks)  # (no cu_seqlens: not VARLEN)
     if not fp8:
         tail = (*scalars, *fp8_args, *tail)
     plan = launch_cache.make_plan(
@@ -976,7 +1020,7 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         PERSISTENT=persistent, O_BUF=o_buf, TILE_ORDER=tile_order if persistent and causal else 0,
         RESCALE_TAU=tau, HAS_LEFT=window_left >= 0, VARLEN=False, P_SMEM=p_smem, Q_REGS=q_in_registers(fp8, head_dim),
-        num_warps=4, maxnreg=maxnreg,
+        HAS_SINKS=sinks is not None, num_warps=4, maxnreg=maxnreg,
     )
     if fp8:  # (O never by TMA: its dtype is not q's)
         arrange = functools.partial(_plan_args_fp8, key_perm=p_smem, scalars=scalars, qd_group=qd_group)
@@ -988,12 +1032,12 @@ def launch(q, k, v, o, lse, *, causal: bool, align_bottom_right: bool, scale: fl
 def _launch_varlen(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                    causal: bool, align_bottom_right: bool, scale: float, block_m: int, block_n: int,
                    num_stages: int, pingpong: bool, persistent: bool, descales, rescale_tau: float | None,
-                   window_left: int) -> launch_cache.Planned | None:
+                   window_left: int, sinks=None) -> launch_cache.Planned | None:
     """`launch` of packed sequences (VARLEN; see fwd_ws_kernel): (1, H, total, D) views of q/k/v,
     o and lse addressed with batch stride 0 and rows offset per sequence in the kernel. Its plan is
     keyed by metadata and max_seqlen_q/k: the prefix sums are read by the kernel, not the launch."""
     key = None
-    if launch_cache.plans_enabled(fwd_ws_kernel):
+    if sinks is None and launch_cache.plans_enabled(fwd_ws_kernel):
         key = ("varlen", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(),
                lse.shape, lse.stride(), q.dtype, o.dtype, cu_seqlens_q.shape, cu_seqlens_k.shape, max_seqlen_q,
                max_seqlen_k, q.get_device(), launch_cache.current_device(), causal, align_bottom_right, scale,
@@ -1021,7 +1065,7 @@ def _launch_varlen(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         """The kernel's arguments (TMA descriptors' places: the (1, H, total, D) views they span)."""
         q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (q, k, v))  # (o: per-thread stores, its own strides)
         return (q4, k4, v4, q4, o, 0, o.stride(1), o.stride(0), lse, 0, lse.stride(0), lse.stride(1), *scalars,
-                cu_q, cu_k)
+                cu_q, cu_k, sinks)
 
     q4, k4, v4, *rest = arrange(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
     q_desc = descriptor(q4, WG_ROWS.value)
@@ -1030,8 +1074,8 @@ def _launch_varlen(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         CAUSAL=causal, NEG_SCALE=scale < 0, O_TMA=False, PINGPONG=pingpong, FP8=False, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=num_stages, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs, PERSISTENT=False, O_BUF=False, TILE_ORDER=0, RESCALE_TAU=tau,
-        HAS_LEFT=window_left >= 0, VARLEN=True, P_SMEM=p_through_smem(False, varlen=True), Q_REGS=False, num_warps=4,
-        maxnreg=maxnreg)
+        HAS_LEFT=window_left >= 0, VARLEN=True, P_SMEM=p_through_smem(False, varlen=True), Q_REGS=False,
+        HAS_SINKS=sinks is not None, num_warps=4, maxnreg=maxnreg)
     return launch_cache.keep(_PLANS, key, plan, fwd_ws_kernel, (), arrange)
 
 
@@ -1091,13 +1135,14 @@ def check_rescale_tau(tau: float, fp8: bool) -> None:
 def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stages: int, *,
                  causal: bool, pingpong: bool, persistent: bool = False, tile_order: int = 2,
                  rescale_tau: float | None = None, window: bool = False,
-                 varlen: bool = False) -> tuple[dict, dict, dict]:
+                 varlen: bool = False, sinks: bool = False) -> tuple[dict, dict, dict]:
     """(signature, constexprs, options) of `fwd_ws_kernel` as `launch` calls it, for an
     ahead-of-time compile (fmha kernels build) without a GPU. dtype: "fp16", "bf16" or
     "fp8e4nv" (bf16 output). persistent: the kernel `launch(..., persistent=True)` runs.
     rescale_tau: the RESCALE_TAU constexpr (None: `default_rescale_tau`, as launch). window: the
     kernel of a sliding window (HAS_LEFT; with causal). varlen: the packed-sequence kernel (VARLEN,
-    one tile a program, 16-bit, O by per-thread stores)."""
+    one tile a program, 16-bit, O by per-thread stores). sinks: the kernel with sink logits
+    (HAS_SINKS, 16-bit)."""
     fp8 = dtype == "fp8e4nv"
 
     def desc(rows, cols=head_dim):
@@ -1127,6 +1172,11 @@ def compile_spec(dtype: str, head_dim: int, block_m: int, block_n: int, num_stag
         types.update(cu_seqlens_q="*i32", cu_seqlens_k="*i32")
     else:
         constexprs.update(cu_seqlens_q=None, cu_seqlens_k=None)
+    if sinks:
+        types.update(sinks_ptr="*fp32")
+        constexprs.update(HAS_SINKS=True)
+    else:
+        constexprs.update(sinks_ptr=None, HAS_SINKS=False)
     # In the kernel's argument order; the other arguments are strides and sizes (i32).
     signature = {name: types.get(name, "i32") for name in fwd_ws_kernel.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
